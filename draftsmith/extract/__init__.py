@@ -1,0 +1,9 @@
+"""Extract stage: a target's hidden states captured by vLLM into a sharded dataset.
+
+``open_dataset(path)`` is the reader every later stage builds on; ``draftsmith
+extract`` (``draftsmith.extract.main``) writes datasets.
+"""
+
+from draftsmith.extract.dataset import HiddenStatesDataset, open_dataset
+
+__all__ = ["HiddenStatesDataset", "open_dataset"]

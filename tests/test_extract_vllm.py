@@ -1,0 +1,214 @@
+"""End-to-end extraction with the real vLLM CPU build.
+
+Each run is a separate `python -m draftsmith.extract` process, as users run it (vLLM
+starts its workers with spawn, and a killed run must be a real process).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.extract.dataset import open_dataset
+from draftsmith.extract.template import render_conversation
+from draftsmith.extract.verify import verify_dataset
+
+pytestmark = pytest.mark.vllm
+
+CHATS = [
+    {
+        "conversations": [
+            {"from": "human", "value": "Name three primary colours."},
+            {"from": "gpt", "value": "Red, yellow and blue."},
+            {"from": "human", "value": "And secondary ones?"},
+            {"from": "gpt", "value": "Orange, green and purple."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Say hello in French."},
+            {"role": "assistant", "content": "Bonjour !"},
+            {"role": "user", "content": "And in German?"},
+            {"role": "assistant", "content": "Hallo!"},
+        ]
+    },
+]
+
+
+def extract(args: list[str], wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "draftsmith.extract", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_states_equal_transformers_without_regeneration(tmp_path, tiny_model_dir, tokenizer):
+    data = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    out = tmp_path / "ds"
+    proc = extract(
+        [
+            f"--model={tiny_model_dir}",
+            f"--data=[{data}]",
+            f"--output={out}",
+            "--dtype=float32",
+            "--samples_per_shard=2",
+            "--verify=3",
+        ]
+    )
+    assert "verify: 3 samples" in proc.stdout
+
+    ds = open_dataset(out)
+    man = ds.manifest
+    assert man["complete"] and man["layer_ids"] == [2, 4, 5, 8]  # [2, N//2, N-3, N], N = 8
+    assert len(ds) == 3 and len(man["shards"]) == 2
+    report = verify_dataset(str(out), 3)
+    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
+    # Token ids and loss masks are exactly those of the chat template.
+    messages = [
+        [
+            {"role": {"human": "user", "gpt": "assistant"}[m["from"]], "content": m["value"]}
+            for m in CHATS[0]["conversations"]
+        ],
+        CHATS[1]["messages"],
+        CHATS[2]["messages"],
+    ]
+    for i, msgs in enumerate(messages):
+        ref = render_conversation(tokenizer, msgs)
+        assert ds[i]["input_ids"].tolist() == ref.input_ids
+        assert ds[i]["loss_mask"].int().tolist() == ref.loss_mask
+
+
+def test_regeneration_on_smollm2_with_self_written_prompts(tmp_path, smollm2_dir, tokenizer):
+    """The real chat model writes prompts, answers them, and the states match transformers."""
+    data = write_jsonl(tmp_path / "multi.jsonl", [CHATS[2]])
+    out = tmp_path / "regen"
+    extract(
+        [
+            f"--model={smollm2_dir}",
+            f"--data=[self:3,{data}]",
+            f"--output={out}",
+            "--regenerate=true",
+            "--max_new_tokens=40",
+            "--dtype=float32",
+        ]
+    )
+    ds = open_dataset(out)
+    assert len(ds) == 4
+    prompts = [
+        json.loads(x)["prompt"] for x in (out / "prompts.self.jsonl").read_text().split("\n") if x
+    ]
+    assert len(set(prompts)) == 3 and all(len(p) >= 12 for p in prompts)
+    for i in range(len(ds)):
+        sample = ds[i]
+        text = tokenizer.decode(sample["input_ids"][sample["loss_mask"]])
+        assert "<|im_start|>user" not in text  # no user turn is ever in the loss
+        assert sample["loss_mask"][-1]  # the sample ends inside the regenerated reply
+    # The two-turn conversation: the first reply was regenerated too, so the original
+    # assistant text is gone and both replies are in the loss mask.
+    (multi,) = [ds[i] for i in range(len(ds)) if ds[i]["id"].startswith("multi:")]
+    full = tokenizer.decode(multi["input_ids"])
+    assert "Bonjour !" not in full and full.count("<|im_start|>assistant") == 2
+    runs = torch.diff(multi["loss_mask"].int()).eq(1).sum().item()
+    assert runs == 2
+    report = verify_dataset(str(out), 4)
+    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
+
+
+def _same_dataset(a: Path, b: Path) -> None:
+    da, db = open_dataset(a), open_dataset(b)
+    assert len(da) == len(db)
+    for i in range(len(da)):
+        x, y = da[i], db[i]
+        assert x["id"] == y["id"]
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["loss_mask"], y["loss_mask"])
+        torch.testing.assert_close(x["hidden_states"], y["hidden_states"], rtol=1e-3, atol=1e-3)
+
+
+def test_killed_run_resumes_to_the_same_dataset_as_parallel_workers(tmp_path, tiny_model_dir):
+    prompts = [{"prompt": f"Tell me fact number {i} about the sea."} for i in range(8)]
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    common = [
+        f"--model={tiny_model_dir}",
+        f"--data=[{data}]",
+        "--regenerate=true",
+        "--max_new_tokens=160",
+        "--samples_per_shard=2",
+        "--dtype=bfloat16",
+    ]
+
+    # Reference: two data-parallel workers, then a merge-only run (no engine needed).
+    ref = tmp_path / "ref"
+    extract([*common, f"--output={ref}", "--workers=2", "--worker=0"])
+    assert not json.loads((ref / "manifest.json").read_text())["complete"]
+    extract([*common, f"--output={ref}", "--workers=2", "--worker=1"])
+    extract([*common, f"--output={ref}"])
+    assert json.loads((ref / "manifest.json").read_text())["complete"]
+
+    # Killed with SIGKILL once the first shard is finished, then run again.
+    out = tmp_path / "out"
+    proc = extract([*common, f"--output={out}"], wait=False)
+    deadline = time.monotonic() + 300
+    while not (out / "shard-00000.json").exists():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    man = json.loads((out / "manifest.json").read_text())
+    assert not man["complete"] and 1 <= len(man["shards"]) < 4
+    extract([*common, f"--output={out}"])
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["complete"] and man["num_samples"] == 8
+    assert not list(out.glob("*.tmp"))
+    _same_dataset(ref, out)
+
+
+def test_sampled_regeneration_is_written_by_a_plain_engine(tmp_path, smollm2_dir, tokenizer):
+    """vLLM 0.32's capture method degenerates sampled text; ours must not."""
+    out = tmp_path / "sampled"
+    extract(
+        [
+            f"--model={smollm2_dir}",
+            "--data=[self:3]",
+            f"--output={out}",
+            "--regenerate=true",
+            "--temperature=0.8",
+            "--max_new_tokens=48",
+            "--dtype=bfloat16",
+            "--verify=3",
+        ]
+    )
+    ds = open_dataset(out)
+    assert len(ds) == 3 and len(list((out / "replies").glob("*.json"))) == 1
+    for i in range(len(ds)):
+        reply = ds[i]["input_ids"][ds[i]["loss_mask"]].tolist()
+        # Degenerate replies repeat one token ("you you you ..."); real ones do not.
+        longest_run = max(sum(1 for _ in g) for _, g in itertools.groupby(reply))
+        assert longest_run < 6, tokenizer.decode(reply)
+        assert len(set(reply)) > len(reply) // 3, tokenizer.decode(reply)
