@@ -73,3 +73,89 @@ def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, **overrides)
 def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     """A tiny random Llama (8 layers, hidden 128) with SmolLM2's tokenizer and template."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm2_dir)
+
+
+def write_random_eagle3_head(
+    out: Path, target_dir: Path, layer_ids=(2, 4, 5), seed: int = 0, **config_overrides
+) -> Path:
+    """A random EAGLE-3 head in vLLM's format (full draft vocabulary, so no d2t)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    target = json.loads((target_dir / "config.json").read_text())
+    h, heads, kv, hd = (
+        target["hidden_size"],
+        target["num_attention_heads"],
+        target["num_key_value_heads"],
+        target["head_dim"],
+    )
+    inter, vocab = target["intermediate_size"], target["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).contiguous()
+
+    tensors = {
+        "fc.weight": w(h, len(layer_ids) * h),
+        "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "midlayer.input_layernorm.weight": torch.ones(h),
+        "midlayer.hidden_norm.weight": torch.ones(h),
+        "midlayer.post_attention_layernorm.weight": torch.ones(h),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": w(vocab, h),
+    }
+    config = {
+        "architectures": ["Eagle3LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.get("rms_norm_eps", 1e-5),
+        **(
+            {"rope_parameters": target["rope_parameters"]}
+            if "rope_parameters" in target
+            else {"rope_theta": target.get("rope_theta", 10000.0)}
+        ),
+        "max_position_embeddings": target["max_position_embeddings"],
+        "vocab_size": vocab,
+        "draft_vocab_size": vocab,
+        "target_hidden_size": h,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_aux_hidden_state_layer_ids": list(layer_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)},
+        **config_overrides,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3_head(tmp_path_factory, tiny_model_dir) -> Path:
+    """A random EAGLE-3 head for `tiny_model_dir` (acceptance ~0, but it loads and drafts)."""
+    return write_random_eagle3_head(tmp_path_factory.mktemp("head") / "eagle3", tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama(smollm2_dir):
+    """Builder for more tiny targets: ``make_tiny_llama(out_dir, seed=1, hidden_size=256)``."""
+    return lambda out, **kw: build_tiny_llama(out, smollm2_dir, **kw)
+
+
+@pytest.fixture(scope="session")
+def make_eagle3_head(tiny_model_dir):
+    """Builder for heads of the tiny target: ``make_eagle3_head(out, target_hidden_size=64)``."""
+    return lambda out, **kw: write_random_eagle3_head(out, tiny_model_dir, **kw)

@@ -8,15 +8,18 @@ import pytest
 
 from draftsmith.cli import main as cli_main
 from draftsmith.config import parse_config
+from draftsmith.evaluate.checks import check_k
+from draftsmith.evaluate.config import EvalConfig
 from draftsmith.extract.config import ExtractConfig
 from draftsmith.targets import validate_layer_ids
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXTRACT = sorted((CONFIGS / "extract").glob("*.yaml"))
+EVAL = sorted((CONFIGS / "eval").glob("*.yaml"))
 
 
 def test_there_are_configs():
-    assert len(EXTRACT) >= 2
+    assert len(EXTRACT) >= 2 and len(EVAL) >= 2
 
 
 @pytest.mark.parametrize("path", EXTRACT, ids=lambda p: p.name)
@@ -27,6 +30,15 @@ def test_extract_configs_parse(path):
     assert isinstance(cfg, ExtractConfig) and cfg.data and cfg.output
     if cfg.layer_ids is not None:
         validate_layer_ids(cfg.layer_ids, 10_000)
+
+
+@pytest.mark.parametrize("path", EVAL, ids=lambda p: p.name)
+def test_eval_configs_parse(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# draftsmith eval --config configs/eval/" + path.name)
+    cfg = parse_config(EvalConfig, ["--config", str(path)], prog="test")
+    assert isinstance(cfg, EvalConfig) and cfg.datasets
+    check_k(cfg.k)
 
 
 def test_overrides_apply_after_the_file():

@@ -1,0 +1,57 @@
+"""Options of the evaluate stage (each field's docstring is its ``--help`` text)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from draftsmith.extract.config import EngineOptions
+
+
+@dataclass
+class EvalConfig:
+    """Measure a draft head in vLLM: acceptance, speed against baselines, losslessness."""
+
+    model: str = "smollm2-135m"
+    """Target: a Hugging Face model directory, a hub id, or an embedded name (smollm2-135m)."""
+    head: str | None = None
+    """Draft head directory in vLLM's format (from `draftsmith export`); null: baselines only."""
+    method: Literal["eagle3", "eagle"] = "eagle3"
+    """How vLLM runs the head: eagle3 (fused low/mid/high states) or eagle (EAGLE-1)."""
+    k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    """Draft lengths (num_speculative_tokens) to report."""
+    derive_k: bool = True
+    """Run only the largest k and derive smaller k's acceptance from its per-position
+    counters (one engine per method instead of one per k; no timing for derived rows)."""
+    datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
+    """Prompt sets: mt_bench, humaneval, JSON/JSONL files, `hf:<id or dir>[@split]`; the first
+    user turn of each row is the prompt."""
+    limit: int | None = None
+    """Use at most this many prompts per dataset."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    """Sampling temperatures; the lossless check uses the greedy (0.0) runs."""
+    max_tokens: int = 256
+    """Longest reply, in tokens."""
+    concurrency: int = 1
+    """Requests in flight at once (offline: vLLM's max_num_seqs); report it beside speeds."""
+    baselines: list[Literal["none", "ngram", "suffix"]] = field(
+        default_factory=lambda: ["none", "ngram"]
+    )
+    """Methods measured on the same prompts in the same run: none (no speculation), ngram
+    (prompt lookup), suffix (needs arctic-inference)."""
+    ngram_lookup: tuple[int, int] = (2, 4)
+    """ngram's prompt_lookup_min and prompt_lookup_max."""
+    draft_model: str | None = None
+    """Optional small draft model directory measured as vLLM's `draft_model` method."""
+    mode: Literal["offline", "server"] = "offline"
+    """offline: vllm.LLM in this process; server: `vllm serve` on 127.0.0.1 (OpenAI API)."""
+    lossless: bool = True
+    """Compare greedy outputs of every speculative method with no speculation, token for token."""
+    output: str = "outputs/eval"
+    """Directory for results.json, report.md and plots."""
+    wandb: bool = True
+    """Log figures and tables to W&B (offline mode unless WANDB_API_KEY is set)."""
+    seed: int = 0
+    """Sampling seed of the engine."""
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    """vLLM engine options (CUDA graphs stay on by default on GPU, eager on CPU)."""

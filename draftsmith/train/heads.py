@@ -1,0 +1,465 @@
+"""EAGLE-3 and EAGLE-1 draft heads that match vLLM's serving code weight for weight.
+
+The modules mirror ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM``)
+and ``llama_eagle.py`` (``EagleLlamaForCausalLM``) op for op: the same residual-carrying
+decoder layers (fused add + RMSNorm computed in float32), neox-style rotary embeddings with
+vLLM's inverse frequencies, and state-dict keys exactly as vLLM's ``load_weights`` reads them.
+
+Attention is pluggable: each layer projects and rotates q/k/v and hands them to an
+``AttendFn`` ``(layer_idx, q, k, v) -> out``. The default is causal SDPA; the
+training-time-test unroll (``ttt.py``) passes one that keeps the per-step KV of each layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# (layer_idx, q [B, n_heads, T, hd], k [B, n_kv, T, hd], v [B, n_kv, T, hd]) -> [B, n_heads, T, hd]
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """[B, n_kv, T, hd] -> [B, n_kv * n_rep, T, hd]; query head h reads kv head h // n_rep."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def sdpa_attend(mask: Tensor | None = None) -> AttendFn:
+    """Plain attention: causal if ``mask`` is None, else the boolean ``mask`` [B, 1, T, S]."""
+
+    def attend(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+    return attend
+
+
+class RMSNorm(nn.Module):
+    """vLLM's ``rms_norm`` / ``fused_add_rms_norm``: statistics in float32, weight last."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _normalize(self, x32: Tensor, dtype: torch.dtype) -> Tensor:
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32.to(self.weight.dtype) * self.weight).to(dtype)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Any:
+        """x [..., dim] -> normed [..., dim]; with ``residual`` returns (norm(x + r), x + r)."""
+        wide = torch.promote_types(x.dtype, torch.float32)  # float32 (float64 stays float64)
+        if residual is None:
+            return self._normalize(x.to(wide), x.dtype)
+        summed = x.to(wide) + residual.to(wide)  # the add happens in float32, like vLLM
+        return self._normalize(summed, x.dtype), summed.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] as vLLM's ``get_rope`` computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in ("default", "linear"):  # linear scales positions instead (see RotaryEmbedding)
+        return inv_freq
+    if kind == "llama3":  # vllm/.../rotary_embedding/llama3_rope.py
+        assert scaling is not None
+        factor, low, high = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        orig = scaling["original_max_position_embeddings"]
+        wave_len = 2 * math.pi / inv_freq
+        smooth = (orig / wave_len - low) / (high - low) if low != high else 0
+        return torch.where(
+            wave_len < orig / high,
+            inv_freq,
+            torch.where(
+                wave_len > orig / low,
+                inv_freq / factor,
+                (1 - smooth) * inv_freq / factor + smooth * inv_freq,
+            ),
+        )
+    raise NotImplementedError(f"rope_type {kind!r} is not supported by the draft heads")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (vLLM's default for Llama/Qwen), positions given per token."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        scaling = dict(scaling) if scaling else None
+        if scaling and scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError("partial rotary embeddings are not supported")
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        self.position_scale = float(scaling["factor"]) if kind == "linear" and scaling else 1.0
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [B, n, T, hd], positions [B, T] -> rotated x [B, n, T, hd]."""
+        t = positions.float()
+        if self.position_scale != 1.0:
+            t = t / self.position_scale
+        freqs = t[..., None] * self.inv_freq  # [B, T, hd/2]
+        cos = freqs.cos().to(x.dtype)[:, None]  # [B, 1, T, hd/2]
+        sin = freqs.sin().to(x.dtype)[:, None]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Llama attention with separate q/k/v projections (vLLM stacks them into qkv_proj)."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        input_size: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+    ) -> None:
+        super().__init__()
+        self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(input_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def forward(
+        self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, attend: AttendFn
+    ) -> Tensor:
+        """x [B, T, input_size], positions [B, T] -> [B, T, hidden_size]."""
+        b, t, _ = x.shape
+        # [B, T, n * hd] -> [B, T, n, hd] -> [B, n, T, hd]
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = attend(self.layer_idx, rope(q, positions), rope(k, positions), v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, n * hd]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """[B, T, hidden] -> [B, T, hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """vLLM's Llama decoder layer, which carries the residual stream separately.
+
+    ``eagle3_first`` builds the EAGLE-3 first layer: q/k/v read ``2 * hidden`` features
+    (``cat(input_layernorm(embeds), hidden_norm(hidden))``). ``input_norm=False`` builds the
+    EAGLE-1 first layer, whose input norm vLLM replaces by the identity.
+    """
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        eps: float,
+        attention_bias: bool = False,
+        eagle3_first: bool = False,
+        input_norm: bool = True,
+        norm_before_residual: bool = False,
+    ) -> None:
+        super().__init__()
+        self.eagle3_first, self.norm_before_residual = eagle3_first, norm_before_residual
+        in_size = 2 * hidden_size if eagle3_first else hidden_size
+        self.input_layernorm = RMSNorm(hidden_size, eps) if input_norm else None
+        if eagle3_first:
+            self.hidden_norm = RMSNorm(hidden_size, eps)
+        self.self_attn = Attention(
+            layer_idx, in_size, hidden_size, num_heads, num_kv_heads, head_dim, attention_bias
+        )
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        positions: Tensor,
+        rope: RotaryEmbedding,
+        attend: AttendFn,
+        embeds: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """x, residual, embeds [B, T, H]; positions [B, T] -> (mlp_out, residual) [B, T, H]."""
+        if self.eagle3_first:  # llama_eagle3.LlamaDecoderLayer.forward, layer_idx == 0
+            assert embeds is not None and self.input_layernorm is not None
+            if self.norm_before_residual:
+                x = residual = self.hidden_norm(x)
+            else:
+                residual, x = x, self.hidden_norm(x)
+            x = torch.cat([self.input_layernorm(embeds), x], dim=-1)  # [B, T, 2H]
+        elif residual is None:
+            residual = x
+            x = x if self.input_layernorm is None else self.input_layernorm(x)
+        else:
+            assert self.input_layernorm is not None
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, attend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def _init_linears(module: nn.Module, std: float = 0.02) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class _DraftHead(nn.Module):
+    """Shared parts: frozen target embeddings, rotary embedding, per-layer settings."""
+
+    def __init__(self, init_kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.init_kwargs = init_kwargs  # flat constructor arguments, for exporters
+        k = init_kwargs
+        self.hidden_size, self.vocab_size = k["hidden_size"], k["vocab_size"]
+        self.head_dim = k["head_dim"] or k["hidden_size"] // k["num_heads"]
+        self.layer_kwargs = dict(
+            hidden_size=k["hidden_size"],
+            num_heads=k["num_heads"],
+            num_kv_heads=k["num_kv_heads"] or k["num_heads"],
+            head_dim=self.head_dim,
+            intermediate_size=k["intermediate_size"],
+            eps=k["rms_norm_eps"],
+            attention_bias=k["attention_bias"],
+        )
+        self.rotary = RotaryEmbedding(self.head_dim, k["rope_theta"], k["rope_scaling"])
+        # Shared from the target, frozen, never exported: a non-persistent buffer.
+        self.register_buffer(
+            "embed_tokens", torch.zeros(k["vocab_size"], k["hidden_size"]), persistent=False
+        )
+
+    def set_embeddings(self, weight: Tensor) -> None:
+        """Copy the target's input embedding matrix [vocab, hidden] into the head."""
+        self.embed_tokens.copy_(weight.detach())
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """[B, T] token ids -> [B, T, H]."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+
+class Eagle3Head(_DraftHead):
+    """``Eagle3LlamaForCausalLM``: fc over the target's aux states, a 2H-input first layer.
+
+    State-dict keys (vLLM's): ``fc.weight`` [H, n_aux * H_target], ``midlayer.*`` (first
+    layer), ``layers.{i}.*`` for i >= 1, ``norm.weight``, ``lm_head.weight`` [draft_vocab, H]
+    and ``d2t`` [draft_vocab] int64 (only when the draft vocabulary is reduced).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        intermediate_size: int,
+        vocab_size: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        draft_vocab_size: int | None = None,
+        target_hidden_size: int | None = None,
+        num_aux_states: int = 3,
+        num_layers: int = 1,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        norm_before_residual: bool = False,
+        norm_output: bool = False,
+        attention_bias: bool = False,
+    ) -> None:
+        super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        draft_vocab_size = draft_vocab_size or vocab_size
+        self.draft_vocab_size, self.norm_output = draft_vocab_size, norm_output
+        fc_in = num_aux_states * (target_hidden_size or hidden_size)
+        self.fc = nn.Linear(fc_in, hidden_size, bias=False)
+        self.midlayer = DecoderLayer(
+            0, **self.layer_kwargs, eagle3_first=True, norm_before_residual=norm_before_residual
+        )
+        # vLLM names later layers `layers.{i}` (its mapper only renames `midlayer.` -> `layers.0.`).
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(i, **self.layer_kwargs) for i in range(1, num_layers)}
+        )
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        reduced = draft_vocab_size != vocab_size  # a full-vocab head must ship no d2t
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long), reduced)
+        self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool), persistent=False)
+        _init_linears(self)
+
+    @property
+    def logits_weight(self) -> Tensor:
+        """The draft lm_head [draft_vocab, H]."""
+        return self.lm_head.weight
+
+    def set_draft_vocab(self, target_ids: Tensor) -> None:
+        """Use target ids ``target_ids`` [draft_vocab] (draft id i -> target_ids[i])."""
+        ids = target_ids.to(self.d2t.device, torch.long)
+        if ids.shape != self.d2t.shape or ids.unique().numel() != ids.numel():
+            raise ValueError(f"need {self.draft_vocab_size} distinct target ids, got {ids.shape}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft ids (any shape) -> target ids: ``id + d2t[id]`` as vLLM's compute_logits."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft_index(self) -> Tensor:
+        """[vocab] long: the draft id of each target id, -1 where it is not in the draft vocab."""
+        index = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        draft = torch.arange(self.draft_vocab_size, device=self.d2t.device)
+        index[self.draft_to_target(draft)] = draft
+        return index
+
+    def combine_hidden_states(self, aux_states: Tensor) -> Tensor:
+        """[B, T, n_aux * H_target] fused target states -> [B, T, H] (``fc``)."""
+        return self.fc(aux_states)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        hidden_states: Tensor,
+        positions: Tensor,
+        attend: AttendFn | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One draft step, as ``llama_eagle3.LlamaModel.forward``.
+
+        Args: input_ids [B, T]; hidden_states [B, T, H] (post-fc target states, or the
+        previous step's feedback); positions [B, T].
+        Returns: (normed [B, T, H] for ``lm_head``, feedback [B, T, H] for the next step:
+        the pre-norm sum ``mlp_out + residual``, or the normed state if ``norm_output``).
+        """
+        attend = attend or sdpa_attend()
+        embeds = self.embed(input_ids)
+        x, residual = self.midlayer(hidden_states, None, positions, self.rotary, attend, embeds)
+        for layer in self.layers.values():
+            x, residual = layer(x, residual, positions, self.rotary, attend)
+        normed, prenorm = self.norm(x, residual)
+        return normed, normed if self.norm_output else prenorm
+
+
+class Eagle1Head(_DraftHead):
+    """``EagleLlamaForCausalLM``: ``fc(cat(embeds, hidden))`` (2H -> H), Llama layers whose first
+    has no input norm, no final norm, logits from the target's lm_head.
+
+    State-dict keys: ``fc.weight`` [H, 2H], ``layers.{i}.*`` (``layers.0`` without
+    ``input_layernorm``). ``embed_tokens`` and ``lm_head`` are frozen, unsaved target buffers.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        intermediate_size: int,
+        vocab_size: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        num_layers: int = 1,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        attention_bias: bool = False,
+    ) -> None:
+        super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(i, **self.layer_kwargs, input_norm=i > 0) for i in range(num_layers)
+        )
+        self.register_buffer("lm_head", torch.zeros(vocab_size, hidden_size), persistent=False)
+        _init_linears(self)
+
+    @property
+    def logits_weight(self) -> Tensor:
+        """The target's lm_head [vocab, H]."""
+        return self.lm_head
+
+    def set_lm_head(self, weight: Tensor) -> None:
+        """Copy the target's lm_head [vocab, hidden] into the head."""
+        self.lm_head.copy_(weight.detach())
+
+    def combine_hidden_states(self, target_states: Tensor) -> Tensor:
+        """Identity: EAGLE-1 reads the target's final (post-norm) state [B, T, H]."""
+        return target_states
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        hidden_states: Tensor,
+        positions: Tensor,
+        attend: AttendFn | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One draft step, as ``llama_eagle.LlamaModel.forward``.
+
+        Args: input_ids [B, T]; hidden_states [B, T, H]; positions [B, T].
+        Returns: (out, out), out [B, T, H] = last ``mlp_out + residual`` (no final norm).
+        """
+        attend = attend or sdpa_attend()
+        x = self.fc(torch.cat([self.embed(input_ids), hidden_states], dim=-1))  # [B, T, 2H] -> H
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.rotary, attend)
+        assert residual is not None
+        out = x + residual
+        return out, out
+
+
+def target_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from a transformers 4 or 5 ``config.json`` dict."""
+    params = config.get("rope_parameters")
+    if params:  # transformers 5: {"rope_theta": ..., "rope_type": ..., scaling keys}
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        return float(params.get("rope_theta", 10000.0)), None if kind == "default" else scaling
+    return float(config.get("rope_theta", 10000.0)), config.get("rope_scaling") or None
+
+
+def from_target_config(
+    target_config: dict[str, Any], kind: str = "eagle3", **draft_options: Any
+) -> Eagle3Head | Eagle1Head:
+    """Build a head whose attention/rope/norm settings come from the TARGET's config.json.
+
+    ``kind`` is ``"eagle3"`` or ``"eagle1"``; ``draft_options`` pass through (e.g.
+    ``draft_vocab_size``, ``num_layers``, ``norm_before_residual``, ``num_aux_states``).
+    """
+    cfg = target_config.get("text_config") or target_config
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"only silu MLPs are supported, target uses {cfg['hidden_act']!r}")
+    theta, scaling = target_rope(cfg)
+    common: dict[str, Any] = dict(
+        hidden_size=cfg["hidden_size"],
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+    )
+    if kind == "eagle3":
+        return Eagle3Head(**{"target_hidden_size": cfg["hidden_size"], **common, **draft_options})
+    if kind == "eagle1":
+        return Eagle1Head(**{**common, **draft_options})
+    raise ValueError(f"kind must be 'eagle3' or 'eagle1', got {kind!r}")

@@ -1,0 +1,195 @@
+"""Memory-bounded soft cross-entropy against the target (teacher) over the draft vocabulary.
+
+Teacher distribution for the token at position p+1: ``softmax(final_norm(h_p) @ W_t[ids].T)``
+where ``W_t`` is the target's lm_head and ``ids`` [draft_vocab] the target ids of the draft
+vocabulary. That is: the target's logits gathered at the draft-vocab ids, then softmax, i.e. the
+target distribution restricted to the draft vocabulary and renormalised. Tokens outside the
+draft vocabulary carry no loss (the head cannot produce them); they do count as errors in the
+accuracy when ``teacher_top1`` comes from the full vocabulary (``teacher_argmax``).
+
+Memory: logits are only ever built for ``chunk_size`` tokens at a time. The autograd function
+computes the loss and its gradients (``softmax(draft) - p_teacher``) chunk by chunk during the
+forward, and keeps only gradient buffers the size of its inputs ([N, H] and [draft_vocab, H]).
+Peak extra memory is O(chunk_size * draft_vocab), independent of the number of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class ChunkedSoftCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(p_teacher_i, softmax(x_i @ W.T)) over index pairs, in chunks of tokens."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        states: Tensor,  # [N, H] draft logits inputs (flattened)
+        weight: Tensor,  # [V, H] draft lm_head
+        teacher_states: Tensor,  # [M, Ht] normed target states (flattened)
+        teacher_weight: Tensor,  # [V, Ht] target lm_head rows of the draft vocab
+        draft_index: Tensor,  # [P] distinct rows of `states`
+        teacher_index: Tensor,  # [P] rows of `teacher_states`
+        token_weight: Tensor,  # [P] float
+        chunk_size: int,
+        need_grad: bool,  # grads are computed in forward; callers pass whether they need them
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        wide = torch.promote_types(states.dtype, torch.float32)  # softmax math in >= float32
+        grad_states = torch.zeros_like(states) if need_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=wide) if need_grad else None
+        total = torch.zeros((), dtype=wide, device=states.device)
+        draft_top1 = torch.empty_like(draft_index)
+        teacher_top1 = torch.empty_like(draft_index)
+        for start in range(0, draft_index.numel(), chunk_size):
+            di = draft_index[start : start + chunk_size]
+            x = states[di]  # [n, H]
+            logits = (x @ weight.T).to(wide)  # [n, V]
+            t_logits = teacher_states[teacher_index[start : start + chunk_size]] @ teacher_weight.T
+            p = t_logits.to(wide).softmax(-1)  # [n, V]
+            w = token_weight[start : start + chunk_size].to(wide)  # [n]
+            logq = logits.log_softmax(-1)
+            total += (w * -(p * logq).sum(-1)).sum()
+            draft_top1[start : start + chunk_size] = logits.argmax(-1)
+            teacher_top1[start : start + chunk_size] = t_logits.argmax(-1)
+            if need_grad:
+                g = (logq.exp() - p) * w[:, None]  # d(w * CE) / d logits, since sum(p) = 1
+                # Indices are distinct within a call: plain (deterministic) assignment.
+                grad_states[di] = (g.to(weight.dtype) @ weight).to(states.dtype)
+                grad_weight += g.T @ x.to(wide)
+        if need_grad:
+            ctx.save_for_backward(grad_states, grad_weight.to(weight.dtype))
+        ctx.mark_non_differentiable(draft_top1, teacher_top1)
+        return total, draft_top1, teacher_top1
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, *_unused: Tensor):  # type: ignore[override]
+        grad_states, grad_weight = ctx.saved_tensors
+        return grad_total * grad_states, grad_total * grad_weight, *([None] * 7)
+
+
+def teacher_argmax(
+    teacher_states: Tensor,
+    target_lm_head: Tensor,
+    target_to_draft: Tensor | None = None,
+    chunk_size: int = 1024,
+) -> Tensor:
+    """The target's greedy next token over its FULL vocabulary, in draft ids.
+
+    teacher_states [B, T, Ht] (final-normed), target_lm_head [V_target, Ht], target_to_draft
+    [V_target] long (-1 outside the draft vocab; None = identity) -> [B, T] long (-1 = the
+    greedy token is not in the draft vocabulary, so no draft can match it).
+    """
+    flat = teacher_states.reshape(-1, teacher_states.shape[-1])  # [B*T, Ht]
+    with torch.no_grad():
+        top1 = torch.cat(
+            [(c @ target_lm_head.T).argmax(-1) for c in flat.split(chunk_size)]
+        )  # [B*T] target ids
+    if target_to_draft is not None:
+        top1 = target_to_draft[top1]
+    return top1.view(teacher_states.shape[:-1])
+
+
+def step_validity(loss_mask: Tensor, doc_ids: Tensor, step: int) -> Tensor:
+    """[B, T] bool: stream t has a target at step ``step`` (label x_{t+step+2} in t's
+    document, inside the row, and ``loss_mask`` true there)."""
+    b, t = loss_mask.shape
+    shift = step + 2
+    valid = torch.zeros_like(loss_mask, dtype=torch.bool)
+    if shift < t:
+        same = doc_ids[:, shift:] == doc_ids[:, : t - shift]
+        valid[:, : t - shift] = same & loss_mask[:, shift:].bool()
+    return valid
+
+
+def simulated_acceptance_length(correct: Tensor, valid: Tensor) -> Tensor:
+    """Expected accepted length of a greedy K-draft chain, ``1 + sum_k prod_{j<=k} acc_j``.
+
+    correct, valid: bool [K, ...] per step and stream. ``acc_k`` is conditional: among streams
+    whose steps 0..k-1 were all valid and correct ("alive") and whose step k is valid, the
+    fraction with step k correct (draft k is only verified if drafts 0..k-1 were accepted).
+    Steps with no alive valid stream end the sum.
+    """
+    alive = torch.ones_like(valid[0])
+    total = torch.ones((), dtype=torch.float32, device=valid.device)
+    chain = torch.ones((), dtype=torch.float32, device=valid.device)
+    for k in range(valid.shape[0]):
+        seen = alive & valid[k]
+        if not seen.any():
+            break
+        chain = chain * (seen & correct[k]).sum() / seen.sum()
+        total = total + chain
+        alive = seen & correct[k]
+    return total
+
+
+@dataclass
+class TTTLoss:
+    loss: Tensor  # scalar: sum_k decay**k * mean_k(CE)
+    step_loss: Tensor  # [K] detached mean CE per step
+    step_accuracy: Tensor  # [K] top-1 agreement with the teacher per step
+    step_count: Tensor  # [K] number of valid (stream, step) pairs
+    acceptance_length: Tensor  # scalar, see simulated_acceptance_length
+
+
+def ttt_loss(
+    step_states: list[Tensor],
+    logits_weight: Tensor,
+    teacher_states: Tensor,
+    teacher_weight: Tensor,
+    loss_mask: Tensor,
+    doc_ids: Tensor,
+    teacher_top1: Tensor | None = None,
+    decay: float = 0.8,
+    chunk_size: int = 1024,
+) -> TTTLoss:
+    """Loss, accuracy and simulated acceptance of a TTT unroll (alignment as in ``ttt.py``).
+
+    Args:
+        step_states: K tensors [B, T, H]; step k's stream t predicts x_{t+k+2}.
+        logits_weight: [draft_vocab, H] the head's lm_head (``head.logits_weight``).
+        teacher_states: [B, T, Ht] final-normed target states; row p predicts x_{p+1}, so the
+            teacher of stream t at step k is row t+k+1.
+        teacher_weight: [draft_vocab, Ht] target lm_head rows at the draft vocab's target ids.
+        loss_mask: [B, T] bool, true where x_p is an assistant token to be predicted.
+        doc_ids: [B, T] document of each token.
+        teacher_top1: [B, T] long draft id of the target's full-vocab argmax at row p (from
+            ``teacher_argmax``; -1 = outside the draft vocab). None: argmax over the draft vocab.
+    """
+    b, t, _ = step_states[0].shape
+    ar = torch.arange(b * t, device=loss_mask.device).view(b, t)  # flat row of (b, t)
+    teacher_flat = teacher_states.reshape(b * t, -1)  # [B*T, Ht]
+    losses, accs, counts, corrects, valids = [], [], [], [], []
+    need_grad = torch.is_grad_enabled() and (
+        logits_weight.requires_grad or any(s.requires_grad for s in step_states)
+    )
+    total = teacher_flat.new_zeros((), dtype=torch.float32)
+    for k, states in enumerate(step_states):
+        valid = step_validity(loss_mask, doc_ids, k)  # [B, T]
+        draft_index = ar[valid]  # [P]
+        teacher_index = draft_index + k + 1  # same row, position t + k + 1
+        count = max(draft_index.numel(), 1)
+        w = torch.full((draft_index.numel(),), 1.0 / count, device=states.device)
+        loss_k, draft_top1, teacher_top1_k = ChunkedSoftCrossEntropy.apply(
+            states.reshape(b * t, -1), logits_weight, teacher_flat, teacher_weight,
+            draft_index, teacher_index, w, chunk_size, need_grad,
+        )  # fmt: skip
+        if teacher_top1 is not None:
+            teacher_top1_k = teacher_top1.reshape(-1)[teacher_index]
+        correct = torch.zeros_like(valid)
+        correct[valid] = draft_top1 == teacher_top1_k
+        total = total + decay**k * loss_k
+        losses.append(loss_k.detach())
+        accs.append(correct.sum() / count)
+        counts.append(draft_index.numel())
+        corrects.append(correct)
+        valids.append(valid)
+    return TTTLoss(
+        loss=total,
+        step_loss=torch.stack(losses),
+        step_accuracy=torch.stack(accs).float(),
+        step_count=torch.tensor(counts),
+        acceptance_length=simulated_acceptance_length(torch.stack(corrects), torch.stack(valids)),
+    )

@@ -1,0 +1,182 @@
+"""Training-time test (TTT): unroll a draft head over K draft steps exactly as vLLM serves it.
+
+Alignment (0-based indices into a packed row of length T; "stream t" is the draft chain
+that vLLM would start after the target has processed token t):
+
+- step 0, stream t: target state h_t (fused by ``fc``), embedding of token x_{t+1},
+  rope position ``pos_t``; predicts x_{t+2}. This is vLLM's first pass
+  (``SpecDecodeBaseProposer.set_inputs_first_pass``): input ids shifted left by one,
+  positions and hidden states left at the target's.
+- step k >= 1, stream t: the head's own feedback state of stream t at step k-1 (pre-norm
+  ``mlp_out + residual``; ``aux_output`` in ``llama_eagle3.LlamaModel.forward``), embedding of
+  x_{t+k+1} (teacher forcing: in serving, the accepted draft token), rope position
+  ``pos_t + k`` (``_update_positions_dependent_metadata`` adds 1 per step); predicts x_{t+k+2}.
+- attention at step k, stream t, layer l (vLLM's draft KV cache at that moment): the step-0
+  keys/values of layer l at positions s <= t of the same document (written by first passes),
+  plus the layer-l keys/values that steps 1..k of the SAME stream wrote (positions
+  pos_t + 1 .. pos_t + k). Nothing of other streams' later steps is visible.
+
+A shifted token that falls outside the row or into another document is replaced by
+``pad_id``; those stream/step pairs are invalid targets (see ``loss.py``), and no output of a
+document ever depends on another document.
+
+Two attention implementations give the same result: ``dense`` (reference: all steps' keys
+concatenated, [T, (k+1)T] boolean mask) and ``efficient`` (SDPA over the step-0 prefix merged
+with k diagonal scores through their log-sum-exp; memory does not grow with k).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from draftsmith.train.heads import Eagle1Head, Eagle3Head, repeat_kv
+
+AttentionImpl = Literal["efficient", "dense"]
+
+
+def document_causal_mask(doc_ids: Tensor) -> Tensor:
+    """doc_ids [B, T] -> bool [B, 1, T, T]: query i sees key j iff j <= i, same document."""
+    t = doc_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # [B, T, T]
+    return (same_doc & causal)[:, None]
+
+
+def shift_tokens(input_ids: Tensor, doc_ids: Tensor, shift: int, pad_id: int = 0) -> Tensor:
+    """[B, T] -> [B, T]: position t holds x_{t+shift} if it is in t's document, else pad_id."""
+    b, t = input_ids.shape
+    out = torch.full_like(input_ids, pad_id)
+    if shift >= t:
+        return out
+    same = doc_ids[:, shift:] == doc_ids[:, : t - shift]  # [B, T - shift]
+    out[:, : t - shift] = torch.where(same, input_ids[:, shift:], pad_id)
+    return out
+
+
+def _masked_lse_block(q: Tensor, k: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q [B, n, Tq, hd], k [B, n, S, hd], mask [B, 1, Tq, S] -> float32 lse [B, n, Tq]."""
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(wide) * scale  # [B, n, Tq, S]
+    return scores.masked_fill(~mask, float("-inf")).logsumexp(dim=-1)
+
+
+def masked_logsumexp(q: Tensor, k: Tensor, mask: Tensor, block: int = 512) -> Tensor:
+    """log sum_s exp(q . k_s / sqrt(hd)) over the keys ``mask`` allows, in query blocks.
+
+    Each block runs under activation checkpointing, so no [T, S] score tensor is kept for
+    backward (it is recomputed one block at a time). Shapes as ``_masked_lse_block``.
+    """
+    scale = q.shape[-1] ** -0.5
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    out = []
+    for start in range(0, q.shape[2], block):
+        qb, mb = q[:, :, start : start + block], mask[:, :, start : start + block]
+        if grad:
+            out.append(checkpoint(_masked_lse_block, qb, k, mb, scale, use_reentrant=False))
+        else:
+            out.append(_masked_lse_block(qb, k, mb, scale))
+    return torch.cat(out, dim=2)
+
+
+def efficient_step_attention(
+    q: Tensor, keys: list[Tensor], values: list[Tensor], prefix_mask: Tensor
+) -> Tensor:
+    """Step-k attention from prefix attention and k diagonal scores, merged by log-sum-exp.
+
+    q [B, n, T, hd]; keys/values: k+1 tensors [B, n_kv, T, hd] (step 0 first);
+    prefix_mask [B, 1, T, T]. Returns [B, n, T, hd].
+    """
+    n_rep = q.shape[1] // keys[0].shape[1]
+    k0, v0 = repeat_kv(keys[0], n_rep), repeat_kv(values[0], n_rep)
+    out0 = F.scaled_dot_product_attention(q, k0, v0, attn_mask=prefix_mask)  # [B, n, T, hd]
+    lse0 = masked_logsumexp(q, k0, prefix_mask)  # [B, n, T]
+    scale, wide = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
+    # Query t of step k also sees, from each step j = 1..k, only stream t's own key.
+    diag = [(q * repeat_kv(kj, n_rep)).sum(-1).to(wide) * scale for kj in keys[1:]]  # [B, n, T]
+    lse = torch.logsumexp(torch.stack([lse0, *diag], dim=-1), dim=-1)  # [B, n, T]
+    out = torch.exp(lse0 - lse)[..., None] * out0.to(wide)
+    for dj, vj in zip(diag, values[1:], strict=True):
+        out = out + torch.exp(dj - lse)[..., None] * repeat_kv(vj, n_rep).to(wide)
+    return out.to(q.dtype)
+
+
+def dense_step_attention(
+    q: Tensor, keys: list[Tensor], values: list[Tensor], prefix_mask: Tensor
+) -> Tensor:
+    """Reference: attention over all steps' keys with the explicit [T, (k+1)T] TTT mask."""
+    n_rep = q.shape[1] // keys[0].shape[1]
+    t = q.shape[2]
+    eye = torch.eye(t, dtype=torch.bool, device=q.device).expand_as(prefix_mask)
+    mask = torch.cat([prefix_mask] + [eye] * (len(keys) - 1), dim=-1)  # [B, 1, T, (k+1)T]
+    k = repeat_kv(torch.cat(keys, dim=2), n_rep)  # [B, n, (k+1)T, hd]
+    v = repeat_kv(torch.cat(values, dim=2), n_rep)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class TTTAttention:
+    """An ``AttendFn`` that keeps each layer's KV per draft step (the draft KV cache)."""
+
+    def __init__(self, prefix_mask: Tensor, impl: AttentionImpl = "efficient") -> None:
+        if impl not in ("efficient", "dense"):
+            raise ValueError(f"impl must be 'efficient' or 'dense', got {impl!r}")
+        self.prefix_mask = prefix_mask  # [B, 1, T, T]
+        self.step_fn = efficient_step_attention if impl == "efficient" else dense_step_attention
+        self.keys: dict[int, list[Tensor]] = {}
+        self.values: dict[int, list[Tensor]] = {}
+        self.step = 0
+
+    def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, n, T, hd], k/v [B, n_kv, T, hd] of the current step -> [B, n, T, hd]."""
+        if self.step == 0:
+            self.keys[layer_idx], self.values[layer_idx] = [k], [v]
+            n_rep = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(
+                q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=self.prefix_mask
+            )
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if len(keys) != self.step:
+            raise RuntimeError(f"layer {layer_idx} called twice or skipped at step {self.step}")
+        keys.append(k)
+        values.append(v)
+        return self.step_fn(q, keys, values, self.prefix_mask)
+
+
+def ttt_unroll(
+    head: Eagle3Head | Eagle1Head,
+    input_ids: Tensor,
+    hidden_states: Tensor,
+    position_ids: Tensor,
+    doc_ids: Tensor,
+    num_steps: int,
+    impl: AttentionImpl = "efficient",
+    pad_id: int = 0,
+) -> list[Tensor]:
+    """Run ``num_steps`` draft steps over a packed batch; see the module docstring.
+
+    Args:
+        input_ids: [B, T] token ids x_0..x_{T-1}.
+        hidden_states: [B, T, n_aux * H_target] fused target states (EAGLE-3) or
+            [B, T, H] final target states (EAGLE-1); row t is the state after token t.
+        position_ids: [B, T] rope positions of the tokens (restarting per document is fine).
+        doc_ids: [B, T] document id of each token; no attention across documents.
+        num_steps: K >= 1.
+    Returns:
+        K tensors [B, T, H]: step k's logits input (final-normed state for EAGLE-3, the
+        output state for EAGLE-1) of stream t, predicting x_{t+k+2}.
+    """
+    if num_steps < 1:
+        raise ValueError("num_steps must be >= 1")
+    attend = TTTAttention(document_causal_mask(doc_ids), impl)
+    hidden = head.combine_hidden_states(hidden_states)  # [B, T, H]
+    states = []
+    for k in range(num_steps):
+        attend.step = k
+        step_ids = shift_tokens(input_ids, doc_ids, k + 1, pad_id)  # x_{t+k+1}
+        logits_in, hidden = head(step_ids, hidden, position_ids + k, attend)
+        states.append(logits_in)
+    return states

@@ -1,0 +1,156 @@
+"""Chunked soft cross-entropy: exactness, bounded memory, masks, accuracy, acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from draftsmith.train.loss import (
+    simulated_acceptance_length,
+    step_validity,
+    teacher_argmax,
+    ttt_loss,
+)
+
+B, T, H, HT, VD, K = 2, 32, 48, 40, 300, 3
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    states = [torch.randn(B, T, H, generator=g, requires_grad=True) for _ in range(K)]
+    weight = torch.randn(VD, H, generator=g).mul(0.3).requires_grad_(True)
+    teacher = torch.randn(B, T, HT, generator=g)
+    teacher_weight = torch.randn(VD, HT, generator=g) * 0.5
+    loss_mask = torch.rand(B, T, generator=g) > 0.3
+    doc = torch.tensor([[0] * 12 + [1] * 20, [2] * 32])
+    return states, weight, teacher, teacher_weight, loss_mask, doc
+
+
+def reference_loss(states, weight, teacher, teacher_weight, loss_mask, doc, decay=0.8):
+    """Plain full-logits implementation of the documented alignment (stream t, step k:
+    draft states[k][t] vs teacher row t+k+1, label x_{t+k+2})."""
+    total = 0.0
+    for k, s in enumerate(states):
+        n = T - k - 2
+        logq = (s[:, :n] @ weight.T).log_softmax(-1)  # [B, n, V]
+        p = (teacher[:, k + 1 : k + 1 + n] @ teacher_weight.T).softmax(-1)
+        ce = -(p * logq).sum(-1)  # [B, n]
+        valid = loss_mask[:, k + 2 :] & (doc[:, k + 2 :] == doc[:, :n])
+        total = total + decay**k * (ce * valid).sum() / valid.sum()
+    return total
+
+
+@pytest.mark.parametrize("chunk_size", [7, 64, 10_000])
+def test_chunked_matches_reference_loss_and_grads(chunk_size: int) -> None:
+    states, weight, teacher, tw, mask, doc = inputs()
+    out = ttt_loss(states, weight, teacher, tw, mask, doc, chunk_size=chunk_size)
+    grads = torch.autograd.grad(out.loss, [*states, weight])
+    ref = reference_loss(states, weight, teacher, tw, mask, doc)
+    ref_grads = torch.autograd.grad(ref, [*states, weight])
+    torch.testing.assert_close(out.loss, ref)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+    decay = torch.tensor([0.8**k for k in range(K)])
+    torch.testing.assert_close(out.loss.detach(), (decay * out.step_loss).sum())
+
+
+def test_mask_and_documents_are_respected() -> None:
+    states, weight, teacher, tw, mask, doc = inputs()
+    out = ttt_loss(states, weight, teacher, tw, mask, doc)
+    grads = torch.autograd.grad(out.loss, states)
+    for k in range(K):
+        valid = step_validity(mask, doc, k)
+        assert int(out.step_count[k]) == int(valid.sum()) > 0
+        assert (grads[k][~valid] == 0).all() and (grads[k][valid] != 0).any()
+        # The last stream of document 0 would predict a token of document 1: excluded.
+        assert not valid[0, 11 - k - 1]
+    # Streams without a valid target do not move the loss.
+    with torch.no_grad():
+        states2 = [s.clone() for s in states]
+        invalid = ~step_validity(mask, doc, 0)
+        states2[0][invalid] = torch.randn_like(states2[0][invalid])
+        again = ttt_loss(states2, weight, teacher, tw, mask, doc)
+    torch.testing.assert_close(again.loss, out.loss.detach())
+
+
+class _Largest(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _peak(chunk_size: int, rows: int) -> tuple[int, int]:
+    """(largest tensor numel, numel saved for backward) of a loss forward + backward."""
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(1, rows, H, generator=g, requires_grad=True)]
+    weight = torch.randn(VD, H, generator=g, requires_grad=True)
+    teacher, tw = torch.randn(1, rows, HT, generator=g), torch.randn(VD, HT, generator=g)
+    mask, doc = torch.ones(1, rows, dtype=torch.bool), torch.zeros(1, rows, dtype=torch.long)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
+        with _Largest() as mode:
+            out = ttt_loss(states, weight, teacher, tw, mask, doc, chunk_size=chunk_size)
+            out.loss.backward()
+    return mode.largest, sum(saved)
+
+
+def test_peak_memory_is_bounded_by_the_chunk() -> None:
+    """No tensor of tokens x vocab is ever built, nor kept for backward, when chunking."""
+    rows, chunk = 256, 16
+    largest, saved = _peak(chunk, rows)
+    largest_2x, saved_2x = _peak(chunk, 2 * rows)
+    # Largest tensors: the weights, [tokens, hidden] inputs/grads, one [chunk, vocab] block.
+    for n, big in ((rows, largest), (2 * rows, largest_2x)):
+        assert big == max(VD * H, VD * HT, n * H, chunk * VD) < n * VD / 2
+    assert saved <= rows * H + VD * H  # only the gradient buffers
+    assert saved_2x - saved == rows * H  # grows with tokens x hidden, never x vocab
+    unchunked, _ = _peak(10_000, rows)
+    assert unchunked >= (rows - 2) * VD  # the same loss without chunks does build it
+
+
+def test_accuracy_and_full_vocab_teacher() -> None:
+    states, weight, teacher, tw, mask, doc = inputs()
+    with torch.no_grad():
+        out = ttt_loss(states, weight, teacher, tw, mask, doc)
+        for k in range(K):
+            valid = step_validity(mask, doc, k)
+            draft = (states[k] @ weight.T).argmax(-1)  # [B, T]
+            target = torch.roll(teacher @ tw.T, -(k + 1), dims=1).argmax(-1)  # row t+k+1
+            expected = (draft == target)[valid].float().mean()
+            torch.testing.assert_close(out.step_accuracy[k], expected)
+        # Full-vocab teacher argmax: target ids outside the draft vocab can never match.
+        full_head = torch.cat([tw, torch.zeros(1, HT)])  # target vocab = draft vocab + 1 id
+        full_head[-1] = teacher.reshape(-1, HT).mean(0) * 50  # this id wins often
+        t2d = torch.cat([torch.arange(VD), torch.tensor([-1])])
+        top1 = teacher_argmax(teacher, full_head, t2d, chunk_size=5)
+        assert (top1 == -1).any() and (top1 >= 0).any()
+        assert torch.equal(top1 >= 0, (teacher @ full_head.T).argmax(-1) < VD)
+        out2 = ttt_loss(states, weight, teacher, tw, mask, doc, teacher_top1=top1)
+        assert (out2.step_accuracy <= out.step_accuracy + 1e-6).all()
+        # A draft that copies the teacher (same states and weights) is always right.
+        copy = [torch.roll(teacher, -(k + 1), dims=1) for k in range(K)]
+        perfect = ttt_loss(copy, tw, teacher, tw, mask, doc)
+        assert (perfect.step_accuracy == 1).all()
+        assert perfect.acceptance_length.item() == pytest.approx(1 + K)
+
+
+def test_simulated_acceptance_hand_built() -> None:
+    # Four streams, three drafts. Accepted prefixes: 3, 1, 0, 2 -> mean 1.5 -> tau 2.5.
+    correct = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    valid = torch.ones_like(correct)
+    # acc_0 = 3/4; acc_1 = 2/3 (streams 0, 1, 3 alive); acc_2 = 1/2 (streams 0, 3 alive)
+    assert simulated_acceptance_length(correct, valid).item() == pytest.approx(2.5)
+    valid[2, 3] = False  # stream 3 has no third target: acc_2 = 1/1 over stream 0 alone
+    assert simulated_acceptance_length(correct, valid).item() == pytest.approx(1 + 0.75 + 0.5 + 0.5)
+    assert simulated_acceptance_length(torch.zeros_like(correct), valid).item() == 1.0
+    assert simulated_acceptance_length(torch.ones_like(correct), valid).item() == 4.0
