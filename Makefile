@@ -12,7 +12,7 @@ STAMP := $(VENV)/.setup-$(BUILD)
 QUIET_PIP := grep -v "is ignored: it is neither" || true
 CONFIG ?=
 
-.PHONY: setup test lint demo extract bench-extract clean
+.PHONY: setup test lint demo extract eval bench-extract clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,9 @@ demo: setup
 
 extract: setup
 	$(PY) -m draftsmith.cli extract --config $(or $(CONFIG),configs/extract/smollm2.yaml)
+
+eval: setup
+	$(PY) -m draftsmith.cli eval --config $(or $(CONFIG),configs/eval/smollm2.yaml)
 
 bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))

@@ -1,6 +1,7 @@
 """The `draftsmith` command: one subcommand per stage, each calling that stage's `main`.
 
 draftsmith extract --config configs/extract/smollm2.yaml
+draftsmith eval --config configs/eval/smollm2.yaml --head DIR
 draftsmith bench-extract --help
 """
 
@@ -11,6 +12,7 @@ import sys
 
 STAGES = {
     "extract": ("draftsmith.extract.main", "capture target hidden states into a dataset"),
+    "eval": ("draftsmith.evaluate.main", "measure a head's acceptance and speed in vLLM"),
     "bench-extract": (
         "draftsmith.extract.bench",
         "time extraction against plain generation and HF",

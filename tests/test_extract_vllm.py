@@ -55,7 +55,10 @@ def extract(args: list[str], wait: bool = True) -> subprocess.Popen | subprocess
     cmd = [sys.executable, "-m", "draftsmith.extract", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if not wait:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # Its own process group: a kill takes vLLM's engine processes down with it.
+        return subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -177,7 +180,7 @@ def test_killed_run_resumes_to_the_same_dataset_as_parallel_workers(tmp_path, ti
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole run, as a crash or OOM kill would
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     man = json.loads((out / "manifest.json").read_text())

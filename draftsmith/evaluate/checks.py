@@ -85,10 +85,10 @@ def _check_eagle3(head: str, config: dict, shapes: dict, target: TargetInfo) -> 
     )
     n = target.num_hidden_layers
     if ids is not None:
-        bad = [i for i in ids if not 0 <= i < n]
+        bad = [i for i in ids if not 0 <= i <= n]  # id n: last layer's output, before the norm
         if bad:
             raise HeadError(
-                f"head: {head} taps layers {bad}, outside the target's 0..{n - 1}; "
+                f"head: {head} taps layers {bad}, outside the target's 0..{n}; "
                 "it was trained for a deeper target."
             )
     fc = shapes.get("fc.weight")

@@ -1,0 +1,148 @@
+"""``draftsmith eval``: a head's acceptance and speed in vLLM, against no speculation and ngram.
+
+    draftsmith eval --config configs/eval/smollm2.yaml [--head DIR] [--mode server]
+
+Every figure comes from vLLM's own counters, on the same prompts in the same run for
+every method; results.json, report.md and plots go to ``--output``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from draftsmith import __version__
+from draftsmith.config import parse_config, to_dict
+from draftsmith.evaluate.checks import HeadError, check_head, check_k
+from draftsmith.evaluate.config import EvalConfig
+from draftsmith.extract.sources import DataError, SkipLog, load_many
+from draftsmith.targets import TargetError, read_target
+
+
+def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
+    """Per dataset: sample ids, chat messages (system + first user turn) and prompt ids."""
+    from draftsmith.extract.template import render_prompt
+
+    ids, chats, tokens = {}, {}, {}
+    for spec in cfg.datasets:
+        convs = load_many([spec], require_assistant=False, skips=SkipLog(), limit=cfg.limit)
+        if not convs:
+            raise DataError(f"datasets: {spec!r} holds no prompt")
+        msgs = []
+        for conv in convs:
+            first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
+            msgs.append(conv.messages[: first_user + 1])
+        ids[spec] = [c.id for c in convs]
+        chats[spec] = msgs
+        tokens[spec] = [render_prompt(tokenizer, m) for m in msgs]
+    return ids, chats, tokens
+
+
+def device_name() -> str:
+    from draftsmith.extract.engine import on_cpu
+
+    if on_cpu():
+        return f"cpu ({os.cpu_count()} cores)"
+    import torch
+
+    return f"cuda: {torch.cuda.get_device_name(0)}"
+
+
+def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
+    """Run every method, derive, compare; return results.json's dict and every generation."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.evaluate import runs
+    from draftsmith.extract.engine import engine_kwargs
+
+    ks = check_k(cfg.k)
+    if cfg.concurrency < 1:
+        raise HeadError(f"concurrency: {cfg.concurrency}; give at least 1.")
+    target = read_target(cfg.model)
+    head_config = check_head(cfg.head, cfg.method, target) if cfg.head else None
+    if cfg.draft_model and not Path(cfg.draft_model, "config.json").is_file():
+        raise HeadError(f"draft_model: {cfg.draft_model} is not a model directory.")
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    sample_ids, chats, prompts = load_prompts(cfg, tokenizer)
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    kwargs = engine_kwargs(target.path, cfg.engine, longest + cfg.max_tokens + 8)
+    kwargs.pop("model")
+
+    records, outputs = [], {}
+    for method in runs.plan_methods(cfg, ks):
+        print(f"eval: {method.name}" + (f" k={method.k}" if method.k else ""), flush=True)
+        if cfg.mode == "server":
+            from draftsmith.evaluate.online import server_runs
+
+            recs, outs = server_runs(cfg, target.path, method, chats, kwargs)
+        else:
+            recs, outs = runs.offline_runs(cfg, target.path, method, prompts, kwargs)
+        records += recs
+        for key, value in outs.items():
+            outputs[(method, *key)] = value
+
+    if cfg.lossless:
+        for rec in records:
+            if rec["method"] == "none" or rec["temperature"] != 0.0:
+                continue
+            method = runs.Method(rec["method"], rec["k"])
+            ref = outputs[(runs.Method("none"), rec["dataset"], 0.0)]
+            got = outputs[(method, rec["dataset"], 0.0)]
+            rec["lossless"] = runs.lossless_check(sample_ids[rec["dataset"]], ref, got)
+    if cfg.derive_k:
+        for rec in list(records):
+            if rec["counters"] and rec["k"] == max(ks):
+                records += [runs.derive_smaller_k(rec, k) for k in ks if k < rec["k"]]
+    runs.add_speedups(records)
+    generations = [
+        {"dataset": d, "method": m.name, "k": m.k, "temperature": t, "id": i, "token_ids": ids}
+        for (m, d, t), outs in outputs.items()
+        for i, ids in zip(sample_ids[d], outs, strict=True)
+    ]
+    records.sort(key=lambda r: (r["dataset"], r["temperature"], r["method"], r["k"] or 0))
+
+    import vllm
+
+    return {
+        "draftsmith_version": __version__,
+        "vllm_version": vllm.__version__,
+        "device": device_name(),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": to_dict(cfg),
+        "target": {"path": target.path, "architecture": target.architecture},
+        "head": {"path": cfg.head, "method": cfg.method, "config": head_config}
+        if cfg.head
+        else None,
+        "runs": records,
+    }, generations
+
+
+def main(args: list[str] | None = None) -> int:
+    cfg = parse_config(EvalConfig, args, prog="draftsmith eval")
+    try:
+        results, generations = evaluate(cfg)
+    except (HeadError, DataError, TargetError) as err:
+        print(f"draftsmith eval: error: {err}", file=sys.stderr)
+        return 2
+    from draftsmith.evaluate.report import summary_table, write_report
+
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    with (out / "generations.jsonl").open("w") as f:
+        f.writelines(json.dumps(g) + "\n" for g in generations)
+    report = write_report(results, out, wandb=cfg.wandb)
+    print(summary_table(results))
+    print(f"results: {out / 'results.json'}; report: {report}")
+    bad = [r for r in results["runs"] if r["lossless"] and r["lossless"]["mismatches"]]
+    if bad:
+        print(f"eval: {len(bad)} run(s) changed greedy outputs: see {report}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

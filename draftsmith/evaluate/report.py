@@ -1,0 +1,318 @@
+"""The evaluate stage's report: report.md, three PNG plots, a terminal table and W&B.
+
+Acceptance length is ``1 + accepted / drafts``; tokens per step is output tokens per target
+verification step. Both stand side by side everywhere: ngram drafts only where it finds a
+match in the prompt, so its acceptance length alone flatters it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+from matplotlib.figure import Figure  # the OO API renders with Agg: no display, no pyplot
+
+DASH = "–"
+ORDER = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3")
+COLUMNS = ("method", "k", "acceptance length", "tokens/step", "per-position acceptance")
+COLUMNS += ("output tok/s", "speedup vs none", "speedup vs ngram", "lossless")
+NUMBERS = ("acceptance_length", "tokens_per_step", "output_tok_s")
+NUMBERS += ("speedup_vs_none", "speedup_vs_ngram", "derived_from_k")
+MAX_MISMATCHES = 20  # listed per run in report.md; generations.jsonl has them all
+
+
+def fmt(x: float | None, digits: int, suffix: str = "") -> str:
+    """`x` rounded half up to `digits` decimals (0.125 -> 0.13); an en dash for null."""
+    if x is None:
+        return DASH
+    if not math.isfinite(x):
+        return str(x)
+    q = Decimal(repr(float(x))).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+    return f"{q}{suffix}"
+
+
+def per_position_text(run: dict) -> str:
+    """Per-position acceptance rates as ``0.75 / 0.38 / 0.13``."""
+    return " / ".join(fmt(p, 2) for p in run["per_position"]) if run.get("per_position") else DASH
+
+
+def lossless_text(run: dict) -> str:
+    """Identical greedy outputs out of those compared, as ``79/80``."""
+    ll = run.get("lossless")
+    return f"{ll['identical']}/{ll['compared']}" if ll else DASH
+
+
+def cells(run: dict) -> list[str]:
+    """One run's row under COLUMNS; derived rows carry acceptance only."""
+    derived = run.get("derived_from_k") is not None
+    k = DASH if run["k"] is None else f"{run['k']}*" if derived else str(run["k"])
+
+    def timing(key: str, digits: int, suffix: str = "") -> str:
+        return DASH if derived else fmt(run.get(key), digits, suffix)
+
+    return [
+        run["method"],
+        k,
+        fmt(run.get("acceptance_length"), 3),
+        fmt(run.get("tokens_per_step"), 3),
+        per_position_text(run),
+        timing("output_tok_s", 1),
+        timing("speedup_vs_none", 2, "×"),
+        timing("speedup_vs_ngram", 2, "×"),
+        lossless_text(run),
+    ]
+
+
+def sorted_runs(results: dict) -> list[dict]:
+    """Runs by dataset (first appearance), temperature, method (baselines first), k."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in results["runs"]))
+
+    def key(r: dict) -> tuple:
+        m = ORDER.index(r["method"]) if r["method"] in ORDER else len(ORDER)
+        return datasets.index(r["dataset"]), r["temperature"], m, r["method"], r["k"] or 0
+
+    return sorted(results["runs"], key=key)
+
+
+def footnotes(runs: list[dict]) -> list[str]:
+    """One line per larger k that derived rows came from."""
+    sources = sorted({r["derived_from_k"] for r in runs if r.get("derived_from_k") is not None})
+    return [
+        f"\\* derived from the k={k} run's per-position counters: acceptance only, no timing."
+        for k in sources
+    ]
+
+
+def summary_table(results: dict) -> str:
+    """A compact plain-text table for the terminal: one row per run."""
+    header = ["dataset", "temp", "method", "k", "acc len", "tok/step", "per position", "tok/s"]
+    header += ["vs none", "vs ngram", "lossless"]
+    rows = [[r["dataset"], str(float(r["temperature"])), *cells(r)] for r in sorted_runs(results)]
+    widths = [max(map(len, col)) for col in zip(header, *rows, strict=True)]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    notes = [n.removeprefix("\\") for n in footnotes(results["runs"])]
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows), *notes])
+
+
+def markdown(results: dict, plots: list[str]) -> str:
+    """report.md's text: setup, one table per (dataset, temperature), mismatches, plots."""
+    target, head, cfg = results["target"], results.get("head"), results.get("config") or {}
+    name = Path(head["path"]).name if head else "baselines"
+    head_desc = f"`{head['path']}` ({head['method']})" if head else "none"
+    lines = [
+        f"# draftsmith eval: {name} on {Path(target['path']).name}",
+        "",
+        f"**Setup:** target `{target['path']}` ({target.get('architecture', '?')}) · "
+        f"head {head_desc} · vLLM {results.get('vllm_version', '?')} · "
+        f"{results.get('device', '?')} · {results.get('created', '?')}",
+        "",
+        ", ".join(
+            f"{key} {cfg[key]}" for key in ("mode", "concurrency", "max_tokens") if key in cfg
+        )
+        + ". Acceptance length = 1 + accepted / drafts; "
+        "tokens/step = output tokens per target verification step (compare methods on this: "
+        "ngram drafts only where it finds a match, which flatters its acceptance length).",
+    ]
+    groups: dict[tuple, list[dict]] = {}
+    for r in sorted_runs(results):
+        groups.setdefault((r["dataset"], r["temperature"]), []).append(r)
+    for (dataset, temperature), runs in groups.items():
+        lines += [
+            "",
+            f"## {dataset}, temperature {float(temperature)} ({runs[0]['prompts']} prompts)",
+        ]
+        lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(cells(r)) + " |" for r in runs]
+        notes = footnotes(runs)
+        lines += ["", *notes] if notes else []
+        bad = [r for r in runs if r.get("lossless") and r["lossless"]["mismatches"]]
+        if bad:
+            lines += ["", "Greedy outputs that differ from no speculation:", ""]
+        for r in bad:
+            run, mismatches = f"- {r['method']} k={r['k']}", r["lossless"]["mismatches"]
+            lines += [
+                f"{run}: `{m['id']}` (first different token: {m['first_diff_token']})"
+                for m in mismatches[:MAX_MISMATCHES]
+            ]
+            if len(mismatches) > MAX_MISMATCHES:
+                lines.append(f"{run}: … and {len(mismatches) - MAX_MISMATCHES} more")
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p.removesuffix('.png').replace('_', ' ')}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def drafter(results: dict) -> str | None:
+    """The method the plots follow: the head's, else a draft model's, else none."""
+    if results.get("head"):
+        return results["head"]["method"]
+    return "draft_model" if any(r["method"] == "draft_model" for r in results["runs"]) else None
+
+
+def by_dataset(runs: list[dict], method: str, field: str) -> dict[str, list[dict]]:
+    """Runs of `method` with `field` set, per dataset, sorted by k."""
+    out: dict[str, list[dict]] = {}
+    for r in sorted(runs, key=lambda r: r["k"] or 0):
+        if r["method"] == method and r.get(field) is not None:
+            out.setdefault(r["dataset"], []).append(r)
+    return out
+
+
+def plot_per_position(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Bars: per-position acceptance of `method` at its largest k, one group per dataset."""
+    largest = {d: rs[-1] for d, rs in by_dataset(runs, method, "per_position").items()}
+    if not largest:
+        return False
+    n = max(len(r["per_position"]) for r in largest.values())
+    width = 0.8 / n
+    fig = Figure(figsize=(max(6.0, 1.2 * n * len(largest) + 2), 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for i in range(n):
+        xs = [j for j, r in enumerate(largest.values()) if len(r["per_position"]) > i]
+        ys = [r["per_position"][i] for r in largest.values() if len(r["per_position"]) > i]
+        bars = ax.bar([x + (i - (n - 1) / 2) * width for x in xs], ys, width, label=f"pos {i + 1}")
+        ax.bar_label(bars, labels=[fmt(y, 2) for y in ys], fontsize=7)
+    ax.set_xticks(range(len(largest)), [f"{d}\n(k={r['k']})" for d, r in largest.items()])
+    ax.set(ylim=(0, 1.08), ylabel="accepted / drafts")
+    ax.set_title(f"{method}: per-position acceptance at its largest k {title}")
+    ax.legend(title="draft position", fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def plot_length_vs_k(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Lines: acceptance length and tokens/step vs k per dataset; ngram as markers."""
+    head = by_dataset(runs, method, "acceptance_length")
+    if not head:
+        return False
+    ngram = by_dataset(runs, "ngram", "acceptance_length")
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2, sharex=True)
+    fields = {"acceptance_length": "acceptance length", "tokens_per_step": "tokens / step"}
+    for ax, (field, label) in zip(axes, fields.items(), strict=True):
+        for i, (dataset, rs) in enumerate(head.items()):
+            ks, ys = [r["k"] for r in rs], [r[field] for r in rs]
+            ax.plot(ks, ys, "o-", color=f"C{i}", label=dataset)
+            if dataset in ngram:
+                ks, ys = zip(*((r["k"], r[field]) for r in ngram[dataset]), strict=True)
+                ax.plot(ks, ys, "x", ms=9, mew=2, color=f"C{i}", label=f"ngram, {dataset}")
+        ax.set(xlabel="k (draft tokens)", ylabel=label, title=f"{method}: {label} {title}")
+        ax.grid(alpha=0.3)
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def plot_speedup_vs_k(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Speedup vs none by k per dataset; ngram's best as a dashed line per dataset."""
+    head = by_dataset(runs, method, "speedup_vs_none")
+    if not head:
+        return False
+    ngram = by_dataset(runs, "ngram", "speedup_vs_none")
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speculation")
+    for i, (dataset, rs) in enumerate(head.items()):
+        ys = [r["speedup_vs_none"] for r in rs]
+        ax.plot([r["k"] for r in rs], ys, "o-", color=f"C{i}", label=dataset)
+        if dataset in ngram:
+            best = max(ngram[dataset], key=lambda r: r["speedup_vs_none"])
+            label = f"ngram, {dataset} (best: k={best['k']})"
+            ax.axhline(best["speedup_vs_none"], color=f"C{i}", ls="--", label=label)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="k (draft tokens)", ylabel="output tok/s ÷ no speculation")
+    ax.set_title(f"{method}: speedup vs no speculation {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+PLOTS = {  # file name: plot(runs, method, title suffix, path) -> written
+    "acceptance_per_position.png": plot_per_position,
+    "acceptance_length_vs_k.png": plot_length_vs_k,
+    "speedup_vs_k.png": plot_speedup_vs_k,
+}
+
+
+def write_plots(results: dict, out_dir: Path) -> list[str]:
+    """Write every plot there is data for (greedy runs if any); return the file names."""
+    method = drafter(results)
+    written = []
+    if method is not None and results["runs"]:
+        temps = {r["temperature"] for r in results["runs"]}
+        temperature = 0.0 if 0.0 in temps else min(temps)
+        runs = [r for r in results["runs"] if r["temperature"] == temperature]
+        written = [
+            name
+            for name, plot in PLOTS.items()
+            if plot(runs, method, f"(temperature {float(temperature)})", out_dir / name)
+        ]
+    for name in PLOTS.keys() - written:  # a stale plot from an earlier run would mislead
+        (out_dir / name).unlink(missing_ok=True)
+    return written
+
+
+def log_wandb(
+    results: dict, out_dir: Path, plots: list[str], project: str, run_name: str | None
+) -> None:
+    """Log the plots and a table of runs; W&B trouble warns once and never raises."""
+    mode = os.environ.get("WANDB_MODE") or (
+        "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    )
+    if mode == "disabled":
+        return
+    run, error = None, None
+    try:
+        import wandb
+
+        run = wandb.init(
+            mode=mode,
+            dir=out_dir,
+            project=project,
+            name=run_name,
+            config=results.get("config") or {},
+            reinit="create_new",
+        )
+        columns = ["dataset", "temperature", "method", "k", *NUMBERS, "per_position", "lossless"]
+        rows = [
+            [r["dataset"], r["temperature"], r["method"], r["k"], *(r.get(n) for n in NUMBERS)]
+            + [per_position_text(r), lossless_text(r)]
+            for r in sorted_runs(results)
+        ]
+        images = {p.removesuffix(".png"): wandb.Image(str(out_dir / p)) for p in plots}
+        run.log({**images, "runs": wandb.Table(columns=columns, data=rows)})
+    except Exception as err:  # W&B is optional: the report on disk stands without it
+        error = err
+    if run is not None:
+        try:
+            run.finish()
+        except Exception as err:
+            error = error or err
+    if error is not None:
+        warnings.warn(f"W&B logging skipped: {type(error).__name__}: {error}", stacklevel=3)
+
+
+def write_report(
+    results: dict,
+    out_dir: Path,
+    wandb: bool = True,
+    wandb_project: str = "draftsmith",
+    run_name: str | None = None,
+) -> Path:
+    """Write report.md and its PNG plots to `out_dir` (and log to W&B); return report.md."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(results, out_dir)
+    report = out_dir / "report.md"
+    report.write_text(markdown(results, plots), encoding="utf-8")
+    if wandb:
+        log_wandb(results, out_dir, plots, wandb_project, run_name)
+    return report

@@ -1,0 +1,197 @@
+"""Measure each method on the same prompts: one engine per (method, k), every dataset in it.
+
+Counters are vLLM's own: ``vllm:spec_decode_*`` read before and after each dataset's
+generate call (offline) or from the server's ``/metrics`` (online). Acceptance length
+is ``1 + accepted / drafts``; tokens per verification step is
+``output tokens / (output tokens - accepted tokens)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from draftsmith.evaluate.config import EvalConfig
+from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tokens_per_step
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to decode: `name` is none, ngram, suffix, draft_model, eagle3 or eagle."""
+
+    name: str
+    k: int | None = None
+
+    def speculative_config(self, cfg: EvalConfig) -> dict | None:
+        if self.name == "none":
+            return None
+        spec: dict = {"method": self.name, "num_speculative_tokens": self.k}
+        if self.name == "ngram":
+            spec["prompt_lookup_min"], spec["prompt_lookup_max"] = cfg.ngram_lookup
+        elif self.name in ("eagle3", "eagle"):
+            spec["model"] = cfg.head
+        elif self.name == "draft_model":
+            spec["model"] = cfg.draft_model
+        return spec
+
+
+def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
+    """Every (method, k) engine this evaluation starts."""
+    run_ks = [max(ks)] if cfg.derive_k else ks
+    names = [b for b in cfg.baselines if b != "none"]
+    if cfg.head:
+        names.append(cfg.method)
+    if cfg.draft_model:
+        names.append("draft_model")
+    methods = [Method("none")] if ("none" in cfg.baselines or cfg.lossless) else []
+    return methods + [Method(name, k) for name in names for k in run_ks]
+
+
+def run_record(
+    dataset: str,
+    method: Method,
+    temperature: float,
+    mode: str,
+    prompts: int,
+    output_tokens: int,
+    seconds: float,
+    counters: SpecCounters | None,
+) -> dict:
+    """One row of results.json."""
+    record = {
+        "dataset": dataset,
+        "method": method.name,
+        "k": method.k,
+        "temperature": temperature,
+        "mode": mode,
+        "prompts": prompts,
+        "output_tokens": output_tokens,
+        "seconds": seconds,
+        "output_tok_s": output_tokens / seconds if seconds else None,
+        "counters": None,
+        "acceptance_length": None,
+        "per_position": None,
+        "tokens_per_step": None,
+        "derived_from_k": None,
+        "speedup_vs_none": None,
+        "speedup_vs_ngram": None,
+        "lossless": None,
+    }
+    if counters is not None and method.name != "none":
+        record["counters"] = counters.to_dict()
+        record["acceptance_length"] = counters.acceptance_length()
+        record["per_position"] = counters.per_position()
+        record["tokens_per_step"] = tokens_per_step(output_tokens, counters.num_accepted_tokens)
+    return record
+
+
+def derive_smaller_k(record: dict, k: int) -> dict:
+    """Acceptance at draft length `k` from a longer run's per-position counters.
+
+    A chain of k drafts accepts exactly the first-k-positions part of a longer chain's
+    accepted prefix on the same steps; the steps themselves would differ in a real run
+    at k, so derived rows carry acceptance only (no timing, no token counts), and
+    tokens per step is that of the longer run's steps with only k drafts counted.
+    """
+    c = record["counters"]
+    steps = record["output_tokens"] - c["num_accepted_tokens"]  # verification steps of the run
+    per_pos = c["accepted_per_pos"][:k]
+    drafts = c["num_drafts"]
+    accepted = sum(per_pos)
+    out = dict(record)
+    out.update(
+        k=k,
+        derived_from_k=record["k"],
+        output_tokens=None,
+        seconds=None,
+        output_tok_s=None,
+        counters={
+            "num_drafts": drafts,
+            "num_draft_tokens": drafts * k,
+            "num_accepted_tokens": accepted,
+            "accepted_per_pos": per_pos,
+        },
+        acceptance_length=1 + accepted / drafts if drafts else None,
+        per_position=[p / drafts for p in per_pos] if drafts else None,
+        # Same steps, each yielding one target token plus its first-k accepted drafts.
+        tokens_per_step=(steps + accepted) / steps if steps else None,
+        lossless=None,
+    )
+    return out
+
+
+def offline_runs(
+    cfg: EvalConfig,
+    model: str,
+    method: Method,
+    prompts: dict[str, list[list[int]]],
+    engine_kwargs: dict,
+) -> tuple[list, dict]:
+    """Run every dataset and temperature through one offline engine.
+
+    Returns the records and the generated token ids ``{(dataset, temperature): [[ids]]}``.
+    """
+    from vllm import LLM, SamplingParams
+
+    from draftsmith.extract.engine import close_engine
+
+    kwargs = dict(engine_kwargs, max_num_seqs=cfg.concurrency, seed=cfg.seed)
+    spec = method.speculative_config(cfg)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    llm = LLM(model=model, **kwargs)
+    records, outputs = [], {}
+    try:
+        for dataset, ids in prompts.items():
+            for temperature in cfg.temperatures:
+                params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
+                before = from_offline_metrics(llm.get_metrics())
+                t0 = time.perf_counter()
+                outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=True)
+                seconds = time.perf_counter() - t0
+                delta = from_offline_metrics(llm.get_metrics()) - before
+                tokens = [list(o.outputs[0].token_ids) for o in outs]
+                outputs[(dataset, temperature)] = tokens
+                records.append(
+                    run_record(
+                        dataset,
+                        method,
+                        temperature,
+                        "offline",
+                        len(ids),
+                        sum(map(len, tokens)),
+                        seconds,
+                        delta,
+                    )
+                )
+    finally:
+        close_engine(llm)
+    return records, outputs
+
+
+def lossless_check(ids: list[str], reference: list[list[int]], candidate: list[list[int]]) -> dict:
+    """Greedy outputs must match token for token; list where they first differ."""
+    mismatches = []
+    for sample_id, ref, got in zip(ids, reference, candidate, strict=True):
+        if ref != got:
+            pairs = enumerate(zip(ref, got, strict=False))
+            first = next((i for i, (a, b) in pairs if a != b), min(len(ref), len(got)))
+            mismatches.append({"id": sample_id, "first_diff_token": first})
+    return {"compared": len(ids), "identical": len(ids) - len(mismatches), "mismatches": mismatches}
+
+
+def add_speedups(records: list[dict]) -> None:
+    """Fill speedup_vs_none and speedup_vs_ngram from rows of the same dataset and settings."""
+
+    def key(r, method, k=None):
+        return (r["dataset"], r["temperature"], method, k)
+
+    rate = {key(r, r["method"], r["k"]): r["output_tok_s"] for r in records if r["output_tok_s"]}
+    for r in records:
+        if not r["output_tok_s"] or r["method"] == "none":
+            continue
+        base = rate.get(key(r, "none"))
+        ngram = rate.get(key(r, "ngram", r["k"]))
+        r["speedup_vs_none"] = r["output_tok_s"] / base if base else None
+        if r["method"] != "ngram":
+            r["speedup_vs_ngram"] = r["output_tok_s"] / ngram if ngram else None

@@ -1,0 +1,312 @@
+"""Training data: samples of a draftsmith dataset packed into fixed-length rows.
+
+A row holds whole samples ("documents") back to back, ``row_tokens`` tokens in all, then
+padding. Batch convention (B rows of T = ``row_tokens`` tokens, target hidden size H):
+
+- ``input_ids`` long [B, T]: token ids; 0 on padding.
+- ``aux_states`` [B, T, n_aux * H]: the tapped layers that feed the head (``aux_layer_ids``,
+  by default every tapped layer but the last), concatenated in ascending layer-id order.
+- ``teacher_states`` [B, T, H]: layer id N = the target's ``num_hidden_layers``, i.e. its
+  last layer's output before the final norm; row p is the state that predicts x_{p+1}.
+- ``position_ids`` long [B, T]: 0, 1, ... restarting at every document (and at the padding).
+- ``doc_ids`` long [B, T]: 0, 1, ... for the documents of a row; ``PAD_DOC_ID`` (-1) on
+  padding, so that padding never attends to, or is attended by, a real token
+  (``ttt.document_causal_mask``) and no shifted token or label crosses into it.
+- ``loss_mask`` bool [B, T]: true on assistant tokens; false on padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from draftsmith.extract.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.targets import TargetInfo
+
+PAD_DOC_ID = -1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -> list[list[int]]:
+    """Best-fit-decreasing packing of sample indices into rows of at most ``row_tokens``.
+
+    Samples longer than ``row_tokens`` count as ``row_tokens`` (they are truncated when read).
+    Every index appears exactly once. ``shuffle_seed`` None: ties keep index order and rows
+    come in packing order; an int: ties are broken and the rows ordered at random, the same
+    way for the same seed.
+    """
+    if row_tokens < 1:
+        raise ValueError(f"row_tokens must be >= 1, got {row_tokens}")
+    order = list(range(len(lengths)))
+    gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+    if gen is not None:
+        order = torch.randperm(len(lengths), generator=gen).tolist()
+    order.sort(key=lambda i: -min(lengths[i], row_tokens))  # stable: ties keep `order`
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, row), sorted; full rows are dropped
+    for i in order:
+        n = min(lengths[i], row_tokens)
+        k = bisect.bisect_left(free, (n, -1))  # the row with the least room that fits
+        if k < len(free):
+            space, r = free.pop(k)
+        else:
+            space, r = row_tokens, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if space > n:
+            bisect.insort(free, (space - n, r))
+    if gen is not None:
+        rows = [rows[r] for r in torch.randperm(len(rows), generator=gen).tolist()]
+    return rows
+
+
+def split_samples(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) sample indices, each sorted: a seeded random ``val_fraction`` of ``n``
+    for validation, at least 1 when ``n >= 2`` and ``val_fraction > 0``, never all."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 and val_fraction > 0 else 0
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def teacher_layer_id(manifest: dict[str, Any], where: object = "the dataset") -> int:
+    """Layer id N of the teacher states; raises unless the dataset tapped layer N."""
+    ids, n = list(manifest["layer_ids"]), int(manifest["target"]["num_hidden_layers"])
+    if not ids or ids[-1] != n:
+        raise DatasetError(
+            f"{where}: the dataset has no last-layer states for the teacher: its layer_ids "
+            f"{ids} lack {n}, the target's num_hidden_layers (the teacher is the last layer's "
+            f"output before the final norm). Re-extract with `--layer_ids "
+            f"{sorted({*ids, n})}` (any taps, as long as {n} is among them)."
+        )
+    return n
+
+
+def resolve_aux_layers(layer_ids: list[int], aux_layers: list[int] | None) -> list[int]:
+    """The layer ids that feed the head, ascending; default: all tapped layers but the last."""
+    if aux_layers is None:
+        return list(layer_ids[:-1])
+    missing = [i for i in aux_layers if i not in layer_ids]
+    if missing or not aux_layers or len(set(aux_layers)) != len(aux_layers):
+        raise DatasetError(
+            f"aux_layers: {aux_layers} must be distinct, non-empty and among the dataset's "
+            f"tapped layer_ids {layer_ids} (missing: {missing})"
+        )
+    return sorted(aux_layers)
+
+
+class PackedDataset(Dataset):
+    """Rows of packed samples; item ``r`` is one row, padded to ``row_tokens`` (see module).
+
+    Args:
+        ds: the opened dataset; its hidden states come out in ``ds.dtype``.
+        rows: sample indices of each row (from ``pack``).
+        row_tokens: T, the row length; a sample longer than T is cut to its first T tokens.
+        aux_layers: layer ids that feed the head (default: all tapped layers but the last).
+    """
+
+    def __init__(
+        self,
+        ds: HiddenStatesDataset,
+        rows: list[list[int]],
+        row_tokens: int,
+        aux_layers: list[int] | None = None,
+    ) -> None:
+        self.ds, self.rows, self.row_tokens = ds, rows, row_tokens
+        self.teacher_layer_id = teacher_layer_id(ds.manifest, ds.path)
+        self.aux_layer_ids = resolve_aux_layers(ds.layer_ids, aux_layers)
+        self._aux = torch.tensor([ds.layer_ids.index(i) for i in self.aux_layer_ids])
+        self._teacher = ds.layer_ids.index(self.teacher_layer_id)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, r: int) -> dict[str, Tensor]:
+        t, h, dtype = self.row_tokens, self.ds.hidden_size, self.ds.dtype
+        aux = torch.zeros(t, len(self.aux_layer_ids) * h, dtype=dtype)  # [T, n_aux * H]
+        teacher = torch.zeros(t, h, dtype=dtype)  # [T, H]
+        input_ids = torch.zeros(t, dtype=torch.long)
+        position_ids = torch.zeros(t, dtype=torch.long)
+        doc_ids = torch.full((t,), PAD_DOC_ID, dtype=torch.long)
+        loss_mask = torch.zeros(t, dtype=torch.bool)
+        start = 0
+        for doc, i in enumerate(self.rows[r]):
+            sample = self.ds[i]
+            n = min(sample["input_ids"].numel(), t - start)
+            span = slice(start, start + n)
+            states = sample["hidden_states"][:n]  # [n, L, H]
+            aux[span] = states[:, self._aux].reshape(n, -1)
+            teacher[span] = states[:, self._teacher]
+            input_ids[span] = sample["input_ids"][:n]
+            loss_mask[span] = sample["loss_mask"][:n]
+            position_ids[span] = torch.arange(n)
+            doc_ids[span] = doc
+            start += n
+        position_ids[start:] = torch.arange(t - start)
+        return {
+            "input_ids": input_ids,
+            "aux_states": aux,
+            "teacher_states": teacher,
+            "position_ids": position_ids,
+            "doc_ids": doc_ids,
+            "loss_mask": loss_mask,
+        }
+
+
+def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stack rows: each key ``[T, ...]`` -> ``[B, T, ...]``."""
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def add_noise(batch: dict[str, Tensor], std: float) -> dict[str, Tensor]:
+    """``aux_states`` + i.i.d. Gaussian N(0, std^2) per element on real tokens (not padding)."""
+    real = (batch["doc_ids"] != PAD_DOC_ID).unsqueeze(-1)  # [B, T, 1]
+    aux = batch["aux_states"]
+    return {**batch, "aux_states": aux + torch.randn_like(aux) * std * real}
+
+
+def token_counts(ds: HiddenStatesDataset, vocab_size: int) -> Tensor:
+    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``.
+
+    Reads only ``input_ids`` and ``loss_mask`` of each shard, never the hidden states.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for info in ds.manifest["shards"]:
+        with safe_open(str(ds.path / info["file"]), framework="pt") as f:
+            ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise DatasetError(
+                f"{ds.path / info['file']}: token ids span [{ids.min()}, {ids.max()}], "
+                f"outside a vocabulary of {vocab_size}"
+            )
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def draft_vocab(counts: Tensor, size: int, always: list[int] | None = None) -> Tensor:
+    """The ``size`` target ids of the draft vocabulary, ascending: every id in ``always``
+    (e.g. EOS / end of turn), then the most frequent ids by ``counts`` [V], ties by lower id."""
+    forced = list(dict.fromkeys(int(i) for i in always or []))
+    if not 0 < size <= counts.numel() or len(forced) > size:
+        raise ValueError(
+            f"draft vocab size {size} must be in [1, {counts.numel()}] and >= the "
+            f"{len(forced)} always-included ids"
+        )
+    if any(not 0 <= i < counts.numel() for i in forced):
+        raise ValueError(f"always-included ids {forced} must be in [0, {counts.numel()})")
+    order = torch.sort(counts, descending=True, stable=True).indices  # ties: lower id first
+    chosen = torch.zeros(counts.numel(), dtype=torch.bool)
+    chosen[forced] = True
+    rest = order[~chosen[order]][: size - len(forced)]
+    chosen[rest] = True
+    return chosen.nonzero().squeeze(1)
+
+
+class EagleDataModule(pl.LightningDataModule):
+    """Packed rows of a draftsmith dataset for training a draft head (batch: module doc).
+
+    Args:
+        data: the dataset directory written by ``draftsmith extract``.
+        row_tokens: tokens per packed row (T); longer samples are truncated to it.
+        batch_size: rows per batch (B).
+        val_fraction: fraction of samples held out for validation (split by sample, seeded;
+            at least one when the dataset has two or more, 0 disables validation).
+        num_workers: DataLoader worker processes.
+        seed: seeds the split, the packing and the row order (reshuffled every epoch).
+        aux_layers: tapped layer ids that feed the head, concatenated in ascending order;
+            default all but the last (EAGLE-3); EAGLE-1 uses the last one alone, ``[N]``.
+        noise_std: std of i.i.d. Gaussian noise N(0, noise_std^2) added to every element of
+            ``aux_states`` of real tokens, in training batches only (absolute, in the units of
+            the target's hidden states); 0 disables it.
+        dtype: dtype of the states handed to the model.
+    """
+
+    def __init__(
+        self,
+        data: str,
+        row_tokens: int = 2048,
+        batch_size: int = 1,
+        val_fraction: float = 0.05,
+        num_workers: int = 2,
+        seed: int = 0,
+        aux_layers: list[int] | None = None,
+        noise_std: float = 0.0,
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    ) -> None:
+        super().__init__()
+        if row_tokens < 1 or batch_size < 1 or num_workers < 0 or noise_std < 0:
+            raise ValueError("row_tokens, batch_size >= 1; num_workers, noise_std >= 0")
+        self.data, self.row_tokens, self.batch_size = data, row_tokens, batch_size
+        self.num_workers, self.seed, self.noise_std = num_workers, seed, noise_std
+        self.dataset = open_dataset(data, dtype=DTYPES[dtype])
+        self.manifest: dict[str, Any] = self.dataset.manifest
+        self.layer_ids: list[int] = list(self.dataset.layer_ids)
+        self.teacher_layer_id = teacher_layer_id(self.manifest, data)
+        self.aux_layer_ids = resolve_aux_layers(self.layer_ids, aux_layers)
+        self.hidden_size: int = self.dataset.hidden_size
+        self.vocab_size: int = int(self.manifest["target"]["vocab_size"])
+        self.target_path: str = self.manifest["target"]["path"]
+        self.train_indices, self.val_indices = split_samples(len(self.dataset), val_fraction, seed)
+        self.num_truncated = sum(n > row_tokens for n in self.dataset.lengths)
+        if self.num_truncated:
+            warnings.warn(
+                f"{data}: {self.num_truncated} of {len(self.dataset)} samples are longer than "
+                f"row_tokens={row_tokens} and are truncated to it",
+                stacklevel=2,
+            )
+
+    def check_target(self, target: TargetInfo) -> None:
+        """Raise ``DatasetError`` naming each field where the dataset's target differs."""
+        mine = self.manifest["target"]
+        pairs = {
+            "hidden_size": (self.hidden_size, target.hidden_size),
+            "vocab_size": (self.vocab_size, target.vocab_size),
+            "num_hidden_layers": (mine["num_hidden_layers"], target.num_hidden_layers),
+            "config_sha256": (mine["config_sha256"], target.config_sha256),
+        }
+        bad = [f"{k} {a!r} (dataset) != {b!r} (target)" for k, (a, b) in pairs.items() if a != b]
+        if bad:
+            raise DatasetError(
+                f"{self.data} was extracted from {mine['path']}, which differs from the target "
+                f"{target.path}: {'; '.join(bad)}. Train against the model the dataset was "
+                "extracted from, or re-extract the dataset with this target."
+            )
+
+    def _loader(self, indices: list[int], seed: int | None) -> DataLoader:
+        lengths = [self.dataset.lengths[i] for i in indices]
+        rows = [[indices[i] for i in row] for row in pack(lengths, self.row_tokens, seed)]
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        return DataLoader(
+            PackedDataset(self.dataset, rows, self.row_tokens, self.aux_layer_ids),
+            batch_size=self.batch_size,
+            shuffle=seed is not None,
+            generator=gen,
+            num_workers=self.num_workers,
+            collate_fn=collate,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Packed and ordered by ``seed + epoch``: with ``reload_dataloaders_every_n_epochs=1``
+        each epoch is re-packed; otherwise the row order alone is reshuffled every epoch."""
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        return self._loader(self.train_indices, self.seed + epoch)
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation rows in a fixed packing and order; [] (no validation) when none."""
+        return self._loader(self.val_indices, None) if self.val_indices else []
+
+    def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
+        """On the device: add ``noise_std`` Gaussian noise to training batches only."""
+        if self.noise_std > 0 and self.trainer is not None and self.trainer.training:
+            return add_noise(batch, self.noise_std)
+        return batch

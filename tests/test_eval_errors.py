@@ -1,0 +1,80 @@
+"""Bad evaluate inputs fail before vLLM starts, with one line naming the option and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.evaluate.main import main
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    return path
+
+
+def run_main(capsys, *args: str) -> tuple[int, str]:
+    code = main([*args, "--wandb=false"])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_missing_head_directory(capsys, tiny_model_dir, prompts, tmp_path):
+    code, err = run_main(
+        capsys,
+        f"--model={tiny_model_dir}",
+        f"--head={tmp_path / 'none'}",
+        f"--datasets=[{prompts}]",
+    )
+    assert code == 2 and "head:" in err and "config.json" in err and len(err.splitlines()) == 1
+
+
+def test_unknown_method_is_refused_by_the_parser(capsys, tiny_model_dir, tiny_eagle3_head):
+    with pytest.raises(SystemExit):
+        main([f"--model={tiny_model_dir}", f"--head={tiny_eagle3_head}", "--method=medusa2"])
+    assert "method" in capsys.readouterr().err
+
+
+def test_head_run_with_the_wrong_method(capsys, tiny_model_dir, tiny_eagle3_head, prompts):
+    code, err = run_main(
+        capsys,
+        f"--model={tiny_model_dir}",
+        f"--head={tiny_eagle3_head}",
+        "--method=eagle",
+        f"--datasets=[{prompts}]",
+    )
+    assert code == 2 and "Eagle3LlamaForCausalLM" in err and "--method eagle3" in err
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"target_hidden_size": 64}, "hidden size 64"),
+        ({"vocab_size": 32000}, "vocab_size 32000"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 9]}}, "taps layers [9]"),
+        ({"draft_vocab_size": 1000}, "lm_head.weight"),
+    ],
+)
+def test_head_built_for_another_target(
+    capsys, tmp_path, tiny_model_dir, make_eagle3_head, prompts, override, words
+):
+    head = make_eagle3_head(tmp_path / "head", **override)
+    code, err = run_main(
+        capsys, f"--model={tiny_model_dir}", f"--head={head}", f"--datasets=[{prompts}]"
+    )
+    assert code == 2 and words in err and len(err.splitlines()) == 1
+
+
+def test_unknown_dataset(capsys, tiny_model_dir):
+    code, err = run_main(capsys, f"--model={tiny_model_dir}", "--datasets=[no_such_set]")
+    assert code == 2 and "no_such_set" in err
+
+
+@pytest.mark.parametrize("ks", ["[0,3]", "[17]"])
+def test_k_out_of_range(capsys, tiny_model_dir, prompts, ks):
+    code, err = run_main(
+        capsys, f"--model={tiny_model_dir}", f"--datasets=[{prompts}]", f"--k={ks}"
+    )
+    assert code == 2 and "k:" in err and "between 1 and 16" in err

@@ -1,0 +1,361 @@
+"""Packed training data: packing, row layout, layer split, split, workers, noise, vocab."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from draftsmith.extract.dataset import DatasetError, open_dataset
+from draftsmith.extract.store import write_json_atomic, write_shard
+from draftsmith.targets import TargetInfo
+from draftsmith.train.data import (
+    PAD_DOC_ID,
+    EagleDataModule,
+    PackedDataset,
+    collate,
+    draft_vocab,
+    pack,
+    split_samples,
+    token_counts,
+)
+from draftsmith.train.loss import step_validity
+from draftsmith.train.ttt import document_causal_mask, shift_tokens
+
+LAYER_IDS = [2, 4, 5, 8]
+NUM_LAYERS = 8
+HIDDEN = 16
+VOCAB = 64
+TARGET = dict(path="/models/tiny", config_sha256="abc123", num_hidden_layers=NUM_LAYERS)
+
+
+def make_samples(lengths: list[int], seed: int, layer_ids: list[int]) -> list[dict]:
+    """Integer-valued states (exact in float32; noise shows up as non-integers)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "id": f"s{seed}-{k}",
+            "input_ids": torch.randint(0, VOCAB, (t,), generator=g),
+            "loss_mask": torch.rand(t, generator=g) > 0.3,
+            "hidden_states": torch.randint(
+                -99, 100, (t, len(layer_ids), HIDDEN), generator=g
+            ).float(),
+        }
+        for k, t in enumerate(lengths)
+    ]
+
+
+def write_dataset(
+    root: Path,
+    shards: list[list[int]],
+    layer_ids: list[int] = LAYER_IDS,
+    complete: bool = True,
+) -> list[dict]:
+    """Write shards of samples with the given lengths; return the samples in dataset order."""
+    root.mkdir(parents=True, exist_ok=True)
+    samples, infos = [], []
+    for k, lengths in enumerate(shards):
+        shard = make_samples(lengths, seed=k, layer_ids=layer_ids)
+        infos.append(write_shard(root / f"shard-{k:05d}.safetensors", shard, "float32").to_dict())
+        samples += shard
+    manifest = {
+        "format": "draftsmith.hidden_states",
+        "format_version": 1,
+        "complete": complete,
+        "target": {**TARGET, "architecture": "LlamaForCausalLM", "vocab_size": VOCAB},
+        "tokenizer": {"path": TARGET["path"], "sha256": None},
+        "layer_ids": layer_ids,
+        "hidden_size": HIDDEN,
+        "storage_dtype": "float32",
+        "num_shards_planned": len(shards),
+        "shards": infos,
+    }
+    write_json_atomic(root / "manifest.json", manifest)
+    return samples
+
+
+LENGTHS = [[5, 3, 7, 2, 4], [6, 1, 9, 3, 8, 2, 5]]
+
+
+@pytest.fixture
+def dataset(tmp_path) -> tuple[Path, list[dict]]:
+    return tmp_path / "ds", write_dataset(tmp_path / "ds", LENGTHS)
+
+
+def check_row(item: dict, rows: list[int], samples: list[dict], t: int, aux: list[int]) -> None:
+    """Every token of a packed row against the samples it holds, then the padding."""
+    aux_idx, teacher_idx = [LAYER_IDS.index(i) for i in aux], LAYER_IDS.index(NUM_LAYERS)
+    start = 0
+    for doc, i in enumerate(rows):
+        s = samples[i]
+        n = min(len(s["input_ids"]), t - start)
+        span = slice(start, start + n)
+        h = s["hidden_states"][:n]
+        assert torch.equal(item["input_ids"][span], s["input_ids"][:n])
+        assert torch.equal(item["loss_mask"][span], s["loss_mask"][:n])
+        assert torch.equal(item["position_ids"][span], torch.arange(n))
+        assert (item["doc_ids"][span] == doc).all()
+        assert torch.equal(item["aux_states"][span], h[:, aux_idx].reshape(n, -1))
+        assert torch.equal(item["teacher_states"][span], h[:, teacher_idx])
+        start += n
+    pad = slice(start, t)
+    assert (item["doc_ids"][pad] == PAD_DOC_ID).all()
+    assert not item["loss_mask"][pad].any()
+    assert (item["aux_states"][pad] == 0).all() and (item["input_ids"][pad] == 0).all()
+    assert torch.equal(item["position_ids"][pad], torch.arange(t - start))
+
+
+@pytest.mark.parametrize("seed", [None, 0, 7])
+def test_pack_covers_every_sample_once_within_row_tokens(seed):
+    lengths = torch.randint(1, 300, (500,), generator=torch.Generator().manual_seed(1)).tolist()
+    lengths[:3] = [1000, 257, 256]  # one longer than a row: counts as a full row
+    rows = pack(lengths, 256, seed)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(min(lengths[i], 256) for i in row) <= 256 for row in rows)
+    total = sum(min(n, 256) for n in lengths)
+    assert len(rows) <= math.ceil(total / 256) * 11 / 9 + 1  # first/best-fit-decreasing bound
+    assert pack(lengths, 256, seed) == rows
+    if seed is not None:
+        assert pack(lengths, 256, seed + 1) != rows
+    with pytest.raises(ValueError):
+        pack(lengths, 0, seed)
+
+
+def test_packed_rows_layout(dataset):
+    path, samples = dataset
+    ds = open_dataset(path)
+    rows = pack(ds.lengths, 12, 0)
+    assert len(rows) < len(samples)  # some rows hold several documents
+    packed = PackedDataset(ds, rows, 12)
+    assert packed.aux_layer_ids == [2, 4, 5] and packed.teacher_layer_id == 8
+    items = [packed[r] for r in range(len(packed))]
+    for item, row in zip(items, rows, strict=True):
+        assert item["aux_states"].shape == (12, 3 * HIDDEN)
+        assert item["teacher_states"].shape == (12, HIDDEN)
+        check_row(item, row, samples, 12, [2, 4, 5])
+    batch = collate(items)
+    assert batch["aux_states"].shape == (len(rows), 12, 3 * HIDDEN)
+    assert batch["loss_mask"].dtype == torch.bool and batch["doc_ids"].shape == (len(rows), 12)
+    # Padding is its own document: no attention, shifted token or label crosses into it.
+    real = batch["doc_ids"] != PAD_DOC_ID
+    assert (~real).any()
+    mask = document_causal_mask(batch["doc_ids"])[:, 0]  # [B, T, T]
+    assert not (mask & real[:, :, None] & ~real[:, None, :]).any()
+    assert not (mask & ~real[:, :, None] & real[:, None, :]).any()
+    assert mask.diagonal(dim1=1, dim2=2).all()  # every query (padding too) sees itself
+    for shift in (1, 2, 3):
+        marked = torch.where(real, batch["input_ids"] + 1, -5)  # real ids > 0, padding -5
+        shifted = shift_tokens(marked, batch["doc_ids"], shift, pad_id=0)
+        assert (shifted[real] >= 0).all() and (shifted[~real] <= 0).all()
+        assert (shifted[real] == 0).any()  # a document's last tokens see no padding token
+        assert not step_validity(batch["loss_mask"], batch["doc_ids"], shift - 1)[~real].any()
+
+
+def test_aux_layers_choose_and_order_layers(dataset):
+    path, samples = dataset
+    ds = open_dataset(path)
+    rows = pack(ds.lengths, 12, None)
+    eagle1 = PackedDataset(ds, rows, 12, aux_layers=[8])
+    check_row(eagle1[0], rows[0], samples, 12, [8])
+    assert torch.equal(eagle1[0]["aux_states"], eagle1[0]["teacher_states"])
+    unordered = PackedDataset(ds, rows, 12, aux_layers=[5, 2])
+    assert unordered.aux_layer_ids == [2, 5]
+    check_row(unordered[1], rows[1], samples, 12, [2, 5])
+    for bad in ([3], [2, 2], []):
+        with pytest.raises(DatasetError, match="aux_layers"):
+            PackedDataset(ds, rows, 12, aux_layers=bad)
+
+
+def test_long_samples_are_truncated_and_counted(tmp_path):
+    samples = write_dataset(tmp_path, [[20, 4, 11]])
+    with pytest.warns(UserWarning, match="2 of 3 samples are longer than row_tokens=10"):
+        dm = EagleDataModule(str(tmp_path), row_tokens=10, val_fraction=0.0, num_workers=0)
+    assert dm.num_truncated == 2 and dm.val_dataloader() == []
+    loader = dm.train_dataloader()
+    for item, row in zip(loader.dataset, loader.dataset.rows, strict=True):
+        check_row(item, row, samples, 10, [2, 4, 5])
+    assert sum(int((b["doc_ids"] >= 0).sum()) for b in loader) == 10 + 4 + 10
+
+
+def test_missing_last_layer_gives_teacher_error(tmp_path):
+    write_dataset(tmp_path, [[3, 4]], layer_ids=[2, 4, 5])
+    with pytest.raises(DatasetError, match=r"no last-layer states.*--layer_ids \[2, 4, 5, 8\]"):
+        EagleDataModule(str(tmp_path), num_workers=0)
+    with pytest.raises(DatasetError, match="no last-layer states"):
+        PackedDataset(open_dataset(tmp_path), [[0, 1]], 8)
+
+
+def test_missing_or_unfinished_dataset_errors(tmp_path):
+    with pytest.raises(DatasetError, match="not a draftsmith dataset"):
+        EagleDataModule(str(tmp_path / "nowhere"))
+    write_dataset(tmp_path / "partial", [[3]], complete=False)
+    with pytest.raises(DatasetError, match="unfinished"):
+        EagleDataModule(str(tmp_path / "partial"))
+
+
+def test_val_split_is_disjoint_and_deterministic(dataset):
+    path, samples = dataset
+    for n, frac in ((12, 0.25), (100, 0.05), (2, 0.01), (5, 0.001)):
+        train, val = split_samples(n, frac, seed=3)
+        assert sorted(train + val) == list(range(n)) and not set(train) & set(val)
+        assert len(val) == max(1, round(n * frac))
+        assert split_samples(n, frac, seed=3) == (train, val)
+    assert split_samples(100, 0.1, 3) != split_samples(100, 0.1, 4)
+    assert split_samples(1, 0.5, 0) == ([0], [])
+    assert split_samples(10, 0.0, 0) == (list(range(10)), [])
+    dm = EagleDataModule(str(path), row_tokens=16, val_fraction=0.25, num_workers=0, seed=1)
+    assert len(dm.val_indices) == 3
+    val_rows = dm.val_dataloader().dataset.rows
+    train_rows = dm.train_dataloader().dataset.rows
+    assert sorted(i for r in val_rows for i in r) == dm.val_indices
+    assert sorted(i for r in train_rows for i in r) == dm.train_indices
+
+
+def batches(loader) -> list[dict]:
+    return list(loader)
+
+
+def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_workers_give_the_same_batches(dataset):
+    path, _ = dataset
+    kw = dict(row_tokens=10, batch_size=2, val_fraction=0.25, seed=5)
+    dm0 = EagleDataModule(str(path), num_workers=0, **kw)
+    dm2 = EagleDataModule(str(path), num_workers=2, **kw)
+    assert_same_batches(batches(dm0.train_dataloader()), batches(dm2.train_dataloader()))
+    assert_same_batches(batches(dm0.val_dataloader()), batches(dm2.val_dataloader()))
+
+
+def test_train_order_reshuffles_each_epoch(dataset):
+    path, _ = dataset
+    dm = EagleDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
+    loader = dm.train_dataloader()
+    first, second = batches(loader), batches(loader)
+    assert len(first) >= 6
+    ids = [b["input_ids"].tolist() for b in first]
+    assert ids != [b["input_ids"].tolist() for b in second]
+    assert sorted(ids) == sorted(b["input_ids"].tolist() for b in second)
+    dm.trainer = SimpleNamespace(current_epoch=3)  # reload_dataloaders_every_n_epochs: re-pack
+    assert dm.train_dataloader().dataset.rows == pack(dm.dataset.lengths, 9, 2 + 3)
+    assert pack(dm.dataset.lengths, 9, 2 + 3) != loader.dataset.rows
+
+
+def is_noisy(batch: dict) -> bool:
+    aux = batch["aux_states"]
+    return bool((aux != aux.round()).any())
+
+
+def test_noise_only_on_training_batches(dataset):
+    path, _ = dataset
+    dm = EagleDataModule(
+        str(path), row_tokens=12, batch_size=16, val_fraction=0.0, num_workers=0, noise_std=0.5
+    )
+    batch = next(iter(dm.train_dataloader()))  # every row: some padding among them
+    assert not is_noisy(batch)
+    dm.trainer = SimpleNamespace(training=False)
+    assert dm.on_after_batch_transfer(batch, 0) is batch
+    dm.trainer = SimpleNamespace(training=True)
+    noisy = dm.on_after_batch_transfer(batch, 0)
+    real = batch["doc_ids"] != PAD_DOC_ID
+    assert (~real).any()
+    diff = noisy["aux_states"] - batch["aux_states"]
+    assert (diff[real] != 0).all() and (diff[~real] == 0).all()
+    assert 0.4 < float(diff[real].std()) < 0.6
+    assert all(torch.equal(noisy[k], batch[k]) for k in batch if k != "aux_states")
+
+
+class Recorder(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple[str, bool]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(("train", is_noisy(batch)))
+        return (self.w * batch["aux_states"].mean()).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(("val", is_noisy(batch)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("val_fraction", [0.25, 0.0])
+def test_noise_in_a_real_fit_touches_training_batches_only(dataset, val_fraction):
+    path, _ = dataset
+    dm = EagleDataModule(
+        str(path), row_tokens=12, val_fraction=val_fraction, num_workers=0, noise_std=0.1
+    )
+    model = Recorder()
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=dm)
+    kinds = {kind for kind, _ in model.seen}
+    assert kinds == ({"train", "val"} if val_fraction else {"train"})
+    assert all(noisy == (kind == "train") for kind, noisy in model.seen)
+
+
+def test_token_counts_match_brute_force(tmp_path):
+    write_dataset(tmp_path, [[5, 30, 7], [12], [40, 3]])
+    ds = open_dataset(tmp_path)
+    want = torch.zeros(VOCAB, dtype=torch.long)
+    for i in range(len(ds)):
+        s = ds[i]
+        for tok, m in zip(s["input_ids"].tolist(), s["loss_mask"].tolist(), strict=True):
+            want[tok] += m
+    assert torch.equal(token_counts(ds, VOCAB), want)
+    with pytest.raises(DatasetError, match="outside a vocabulary of 10"):
+        token_counts(ds, 10)
+
+
+def test_draft_vocab_most_frequent_with_forced_ids():
+    counts = torch.tensor([5, 0, 9, 5, 1, 9, 0, 2])
+    assert draft_vocab(counts, 3).tolist() == [0, 2, 5]  # 9, 9, then the lower of the 5s
+    got = draft_vocab(counts, 4, always=[6, 1])
+    assert got.tolist() == [1, 2, 5, 6]
+    assert draft_vocab(counts, 8, always=[6]).tolist() == list(range(8))
+    for size, always in ((0, None), (9, None), (1, [1, 6]), (3, [8])):
+        with pytest.raises(ValueError):
+            draft_vocab(counts, size, always)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("hidden_size", 32), ("vocab_size", 100), ("num_hidden_layers", 12), ("config_sha256", "x")],
+)
+def test_check_target_names_the_mismatch(dataset, field, value):
+    path, _ = dataset
+    dm = EagleDataModule(str(path), num_workers=0)
+    assert (dm.hidden_size, dm.layer_ids, dm.aux_layer_ids) == (HIDDEN, LAYER_IDS, [2, 4, 5])
+    assert dm.target_path == TARGET["path"] and dm.manifest["hidden_size"] == HIDDEN
+    facts = dict(
+        path=TARGET["path"], architecture="LlamaForCausalLM", hidden_size=HIDDEN,
+        num_hidden_layers=NUM_LAYERS, vocab_size=VOCAB, config_sha256=TARGET["config_sha256"],
+    )  # fmt: skip
+    dm.check_target(TargetInfo(**facts))
+    with pytest.raises(DatasetError, match=f"{field} .* != {value!r} \\(target\\)") as err:
+        dm.check_target(TargetInfo(**{**facts, field: value}))
+    others = {"hidden_size", "vocab_size", "num_hidden_layers", "config_sha256"} - {field}
+    assert not any(f"{other} " in str(err.value) for other in others)
+
+
+def test_dtype_of_states(dataset):
+    path, samples = dataset
+    dm = EagleDataModule(str(path), row_tokens=12, num_workers=0, dtype="bfloat16")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["aux_states"].dtype == torch.bfloat16
+    assert batch["teacher_states"].dtype == torch.bfloat16
