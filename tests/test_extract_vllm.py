@@ -176,7 +176,8 @@ def test_killed_run_resumes_to_the_same_dataset_as_parallel_workers(tmp_path, ti
     out = tmp_path / "out"
     proc = extract([*common, f"--output={out}"], wait=False)
     deadline = time.monotonic() + 300
-    while not (out / "shard-00000.json").exists():
+    # The manifest is rewritten (atomically) after each finished shard.
+    while not (out / "manifest.json").exists():
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import LargestTensor
 
 from draftsmith.train.loss import (
     simulated_acceptance_length,
@@ -74,19 +74,6 @@ def test_mask_and_documents_are_respected() -> None:
     torch.testing.assert_close(again.loss, out.loss.detach())
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def _peak(chunk_size: int, rows: int) -> tuple[int, int]:
     """(largest tensor numel, numel saved for backward) of a loss forward + backward."""
     g = torch.Generator().manual_seed(0)
@@ -98,7 +85,7 @@ def _peak(chunk_size: int, rows: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(
         lambda t: saved.append(t.numel()) or t, lambda t: t
     ):
-        with _Largest() as mode:
+        with LargestTensor() as mode:
             out = ttt_loss(states, weight, teacher, tw, mask, doc, chunk_size=chunk_size)
             out.loss.backward()
     return mode.largest, sum(saved)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import LargestTensor
 
 from draftsmith.train.heads import Eagle1Head, Eagle3Head
 from draftsmith.train.ttt import (
@@ -161,19 +161,6 @@ def test_documents_are_isolated(impl: str) -> None:
                 torch.testing.assert_close(alone[k][0], base[k][0, sel], atol=1e-5, rtol=1e-4)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def _largest_at_step(impl: str, step: int, t: int = 64) -> int:
     torch.manual_seed(0)
     attend = TTTAttention(document_causal_mask(torch.zeros(1, t, dtype=torch.long)), impl)
@@ -182,7 +169,7 @@ def _largest_at_step(impl: str, step: int, t: int = 64) -> int:
         attend.step = j
         attend(0, q, kv[j], kv[j])
     attend.step = step
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         attend(0, q, kv[step], kv[step])
     return mode.largest
 

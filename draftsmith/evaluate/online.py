@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.evaluate.config import EvalConfig
-from draftsmith.evaluate.runs import Method, run_record
+from draftsmith.evaluate.runs import Method, measure
 from draftsmith.evaluate.server import vllm_server
 
 
@@ -25,26 +25,11 @@ def server_runs(
     name = method.name + (f"-k{method.k}" if method.k else "")
     log = Path(cfg.output) / "logs" / f"server-{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    records, outputs = [], {}
     with vllm_server(model, args, method.speculative_config(cfg), log_path=log) as server:
-        for dataset, messages in chats.items():
-            for temperature in cfg.temperatures:
-                before = server.metrics()
-                replies = server.complete(messages, cfg.max_tokens, temperature, cfg.concurrency)
-                delta = server.metrics() - before
-                tokens = [r["token_ids"] or [] for r in replies]
-                out_tokens = sum(r["completion_tokens"] or 0 for r in replies)
-                outputs[(dataset, temperature)] = tokens
-                records.append(
-                    run_record(
-                        dataset,
-                        method,
-                        temperature,
-                        "server",
-                        len(messages),
-                        out_tokens,
-                        replies.seconds,
-                        delta,
-                    )
-                )
-    return records, outputs
+
+        def generate(messages, temperature):
+            replies = server.complete(messages, cfg.max_tokens, temperature, cfg.concurrency)
+            tokens = [r["token_ids"] or [] for r in replies]
+            return tokens, sum(r["completion_tokens"] or 0 for r in replies), replies.seconds
+
+        return measure(cfg, method, "server", chats, generate, server.metrics)

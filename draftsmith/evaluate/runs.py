@@ -120,6 +120,30 @@ def derive_smaller_k(record: dict, k: int) -> dict:
     return out
 
 
+def measure(
+    cfg: EvalConfig, method: Method, mode: str, prompts: dict, generate, read_counters
+) -> tuple[list[dict], dict]:
+    """Every dataset and temperature through one engine; counters read around each call.
+
+    ``generate(batch, temperature) -> (token id lists, output tokens, seconds)``;
+    ``read_counters() -> SpecCounters`` (cumulative). Returns the records and the
+    generated token ids ``{(dataset, temperature): [[ids]]}``.
+    """
+    records, outputs = [], {}
+    for dataset, batch in prompts.items():
+        for temperature in cfg.temperatures:
+            before = read_counters()
+            tokens, output_tokens, seconds = generate(batch, temperature)
+            delta = read_counters() - before
+            outputs[(dataset, temperature)] = tokens
+            records.append(
+                run_record(
+                    dataset, method, temperature, mode, len(batch), output_tokens, seconds, delta
+                )
+            )
+    return records, outputs
+
+
 def offline_runs(
     cfg: EvalConfig,
     model: str,
@@ -127,10 +151,7 @@ def offline_runs(
     prompts: dict[str, list[list[int]]],
     engine_kwargs: dict,
 ) -> tuple[list, dict]:
-    """Run every dataset and temperature through one offline engine.
-
-    Returns the records and the generated token ids ``{(dataset, temperature): [[ids]]}``.
-    """
+    """`measure` with an in-process `vllm.LLM` for this method."""
     from vllm import LLM, SamplingParams
 
     from draftsmith.extract.engine import close_engine
@@ -140,33 +161,26 @@ def offline_runs(
     if spec is not None:
         kwargs["speculative_config"] = spec
     llm = LLM(model=model, **kwargs)
-    records, outputs = [], {}
+
+    def generate(batch, temperature):
+        params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=True)
+        seconds = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        return tokens, sum(map(len, tokens)), seconds
+
     try:
-        for dataset, ids in prompts.items():
-            for temperature in cfg.temperatures:
-                params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
-                before = from_offline_metrics(llm.get_metrics())
-                t0 = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=True)
-                seconds = time.perf_counter() - t0
-                delta = from_offline_metrics(llm.get_metrics()) - before
-                tokens = [list(o.outputs[0].token_ids) for o in outs]
-                outputs[(dataset, temperature)] = tokens
-                records.append(
-                    run_record(
-                        dataset,
-                        method,
-                        temperature,
-                        "offline",
-                        len(ids),
-                        sum(map(len, tokens)),
-                        seconds,
-                        delta,
-                    )
-                )
+        return measure(
+            cfg,
+            method,
+            "offline",
+            prompts,
+            generate,
+            lambda: from_offline_metrics(llm.get_metrics()),
+        )
     finally:
         close_engine(llm)
-    return records, outputs
 
 
 def lossless_check(ids: list[str], reference: list[list[int]], candidate: list[list[int]]) -> dict:
