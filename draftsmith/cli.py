@@ -1,6 +1,8 @@
 """The `draftsmith` command: one subcommand per stage, each calling that stage's `main`.
 
 draftsmith extract --config configs/extract/smollm2.yaml
+draftsmith train fit --config configs/train/smollm2.yaml
+draftsmith export --checkpoint CKPT --output DIR
 draftsmith eval --config configs/eval/smollm2.yaml --head DIR
 draftsmith bench-extract --help
 """
@@ -12,6 +14,8 @@ import sys
 
 STAGES = {
     "extract": ("draftsmith.extract.main", "capture target hidden states into a dataset"),
+    "train": ("draftsmith.train.main", "train a draft head (LightningCLI: fit, validate)"),
+    "export": ("draftsmith.train.checkpoint", "write a trained head as a directory vLLM serves"),
     "eval": ("draftsmith.evaluate.main", "measure a head's acceptance and speed in vLLM"),
     "bench-extract": (
         "draftsmith.extract.bench",
@@ -27,7 +31,8 @@ def usage() -> str:
 
 
 def main(args: list[str] | None = None) -> int:
-    args = sys.argv[1:] if args is None else args
+    from_argv = args is None
+    args = sys.argv[1:] if from_argv else args
     if not args or args[0] in ("-h", "--help"):
         print(usage())
         return 0
@@ -36,6 +41,9 @@ def main(args: list[str] | None = None) -> int:
         print(f"draftsmith: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(STAGES[name][0])
+    if from_argv:  # the stage reads sys.argv itself (LightningCLI insists on one source)
+        sys.argv = [f"draftsmith {name}", *rest]
+        return module.main() or 0
     return module.main(rest) or 0
 
 

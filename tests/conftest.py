@@ -41,8 +41,13 @@ def tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Write a random float32 Llama with the given tokenizer to `out`; return `out`."""
+def build_tiny_llama(
+    out: Path, tokenizer_dir: Path, seed: int = 0, norm_scale: float = 1.0, **overrides
+) -> Path:
+    """Write a random float32 Llama with the given tokenizer to `out`; return `out`.
+
+    ``norm_scale`` multiplies the final norm's weight: > 1 sharpens next-token distributions
+    (a near-deterministic target, which a small head can learn to predict)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -64,6 +69,7 @@ def build_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, **overrides)
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+        model.model.norm.weight.fill_(norm_scale)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
@@ -159,3 +165,70 @@ def make_tiny_llama(smollm2_dir):
 def make_eagle3_head(tiny_model_dir):
     """Builder for heads of the tiny target: ``make_eagle3_head(out, target_hidden_size=64)``."""
     return lambda out, **kw: write_random_eagle3_head(out, tiny_model_dir, **kw)
+
+
+def build_hf_dataset(out: Path, target_dir: Path, prompts: list[str], max_new_tokens: int = 48,
+                     layer_ids=(2, 4, 5, 8), samples_per_shard: int = 8) -> Path:
+    """A draftsmith dataset computed with transformers (no vLLM): the target answers each
+    prompt greedily, and the states of `layer_ids` of the whole conversation are stored."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.extract.store import write_json_atomic, write_shard
+    from draftsmith.extract.template import render_prompt
+    from draftsmith.extract.verify import reference_states
+    from draftsmith.targets import read_target
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    samples = []
+    for i, prompt in enumerate(prompts):
+        user = [{"role": "user", "content": prompt}]
+        ids = torch.tensor(render_prompt(tok, user))
+        with torch.no_grad():
+            gen = model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False)
+        input_ids = gen[0]  # the generated ids exactly (decoding and re-encoding may differ)
+        loss_mask = torch.arange(len(input_ids)) >= len(ids)
+        samples.append(
+            {
+                "id": f"p{i}",
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+                "hidden_states": reference_states(model, input_ids, list(layer_ids)),
+            }
+        )
+    out.mkdir(parents=True)
+    shards = []
+    for k in range(0, len(samples), samples_per_shard):
+        name = f"shard-{k // samples_per_shard:05d}.safetensors"
+        shards.append(write_shard(out / name, samples[k : k + samples_per_shard], "float32"))
+    target = read_target(str(target_dir))
+    manifest = {
+        "format": "draftsmith.hidden_states",
+        "format_version": 1,
+        "complete": True,
+        "target": {
+            "path": target.path,
+            "architecture": target.architecture,
+            "config_sha256": target.config_sha256,
+            "num_hidden_layers": target.num_hidden_layers,
+            "vocab_size": target.vocab_size,
+        },
+        "tokenizer": {"path": target.path, "sha256": None},
+        "layer_ids": list(layer_ids),
+        "hidden_size": target.hidden_size,
+        "storage_dtype": "float32",
+        "num_shards_planned": len(shards),
+        "num_samples": len(samples),
+        "num_tokens": sum(len(s["input_ids"]) for s in samples),
+        "shards": [s.to_dict() for s in shards],
+    }
+    write_json_atomic(out / "manifest.json", manifest)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory, tiny_model_dir) -> Path:
+    """24 self-distilled conversations of the tiny target (states by transformers)."""
+    prompts = [f"Write a short note about topic number {i}." for i in range(24)]
+    return build_hf_dataset(tmp_path_factory.mktemp("data") / "tiny", tiny_model_dir, prompts)

@@ -18,6 +18,7 @@ from draftsmith.train.data import (
     PAD_DOC_ID,
     EagleDataModule,
     PackedDataset,
+    RowSampler,
     collate,
     draft_vocab,
     pack,
@@ -239,14 +240,43 @@ def test_train_order_reshuffles_each_epoch(dataset):
     path, _ = dataset
     dm = EagleDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
     loader = dm.train_dataloader()
-    first, second = batches(loader), batches(loader)
+    first = batches(loader)
     assert len(first) >= 6
     ids = [b["input_ids"].tolist() for b in first]
-    assert ids != [b["input_ids"].tolist() for b in second]
-    assert sorted(ids) == sorted(b["input_ids"].tolist() for b in second)
-    dm.trainer = SimpleNamespace(current_epoch=3)  # reload_dataloaders_every_n_epochs: re-pack
-    assert dm.train_dataloader().dataset.rows == pack(dm.dataset.lengths, 9, 2 + 3)
-    assert pack(dm.dataset.lengths, 9, 2 + 3) != loader.dataset.rows
+    assert ids == [b["input_ids"].tolist() for b in batches(loader)]  # same epoch, same order
+    loader.sampler.set_epoch(1)
+    second = [b["input_ids"].tolist() for b in batches(loader)]
+    assert ids != second and sorted(ids) == sorted(second)
+
+
+def test_ranks_share_out_rows_and_resume_skips_finished_batches(dataset):
+    path, _ = dataset
+    dm = EagleDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
+    whole = dm.train_dataloader().sampler
+    ranks = [RowSampler(whole.num_rows, 2, rank, 2) for rank in range(2)]
+    for s in [whole, *ranks]:
+        s.set_epoch(3)
+    dealt = [list(s) for s in ranks]
+    assert len(dealt[0]) == len(dealt[1]) == -(-whole.num_rows // 2)
+    assert set(dealt[0] + dealt[1]) == set(range(whole.num_rows))  # every row, padding wraps
+    assert sorted(dealt[0][: whole.num_rows // 2] + dealt[1][: whole.num_rows // 2]) == sorted(
+        list(whole)[: 2 * (whole.num_rows // 2)]
+    )
+
+    # A checkpoint taken after 2 batches of epoch 1 resumes with the rest of that epoch.
+    dm = EagleDataModule(
+        str(path), row_tokens=9, batch_size=2, val_fraction=0.0, num_workers=0, seed=2
+    )
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(1)
+    full = [b["input_ids"].tolist() for b in batches(loader)]
+    fresh = EagleDataModule(
+        str(path), row_tokens=9, batch_size=2, val_fraction=0.0, num_workers=0, seed=2
+    ).train_dataloader()
+    fresh.load_state_dict({"epoch": 1, "batches_done": 2})
+    fresh.sampler.set_epoch(1)  # Lightning calls it again for the same epoch: no reset
+    assert [b["input_ids"].tolist() for b in batches(fresh)] == full[2:]
+    assert len(batches(fresh)) == len(full)  # the next pass is a whole epoch again
 
 
 def is_noisy(batch: dict) -> bool:

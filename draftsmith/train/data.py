@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import bisect
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from safetensors import safe_open
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from draftsmith.extract.dataset import DatasetError, HiddenStatesDataset, open_dataset
 from draftsmith.targets import TargetInfo
@@ -69,9 +70,12 @@ def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -
 
 def split_samples(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train, val) sample indices, each sorted: a seeded random ``val_fraction`` of ``n``
-    for validation, at least 1 when ``n >= 2`` and ``val_fraction > 0``, never all."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    for validation, at least 1 when ``n >= 2`` and ``val_fraction > 0``, never all unless
+    ``val_fraction`` is 1 (everything is validation: for ``validate`` on a whole dataset)."""
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1], got {val_fraction}")
+    if val_fraction == 1.0:
+        return [], list(range(n))
     n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 and val_fraction > 0 else 0
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[n_val:]), sorted(perm[:n_val])
@@ -210,6 +214,59 @@ def draft_vocab(counts: Tensor, size: int, always: list[int] | None = None) -> T
     return chosen.nonzero().squeeze(1)
 
 
+class RowSampler(Sampler[int]):
+    """This rank's rows of one epoch: a permutation seeded by ``seed + epoch`` (None: in
+    order), padded by wrapping to a multiple of ``world_size`` and dealt round-robin.
+
+    ``skip`` rows are left out of the next pass only: that is how a run resumed mid-epoch
+    continues where it stopped instead of replaying the epoch (``ResumableLoader``).
+    """
+
+    def __init__(self, num_rows: int, seed: int | None, rank: int = 0, world_size: int = 1):
+        self.num_rows, self.seed, self.rank, self.world_size = num_rows, seed, rank, world_size
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.skip = epoch, 0
+
+    def order(self) -> list[int]:
+        if self.seed is None:
+            rows = list(range(self.num_rows))
+        else:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            rows = torch.randperm(self.num_rows, generator=gen).tolist()
+        padded = -(-self.num_rows // self.world_size) * self.world_size
+        rows += rows[: padded - self.num_rows] if rows else []
+        return rows[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        rows, self.skip = self.order()[self.skip :], 0
+        return iter(rows)
+
+    def __len__(self) -> int:
+        return -(-self.num_rows // self.world_size)  # the whole epoch, as Lightning counts it
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over a ``RowSampler`` whose position Lightning saves in checkpoints.
+
+    ``batches_done()`` tells how many batches of the epoch the trainer has finished; a
+    checkpoint stores it (with the epoch), and loading it makes the next pass skip them.
+    """
+
+    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches_done": self.batches_done()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.epoch = state["epoch"]
+        self.sampler.skip = state["batches_done"] * (self.batch_size or 1)
+
+
 class EagleDataModule(pl.LightningDataModule):
     """Packed rows of a draftsmith dataset for training a draft head (batch: module doc).
 
@@ -218,7 +275,8 @@ class EagleDataModule(pl.LightningDataModule):
         row_tokens: tokens per packed row (T); longer samples are truncated to it.
         batch_size: rows per batch (B).
         val_fraction: fraction of samples held out for validation (split by sample, seeded;
-            at least one when the dataset has two or more, 0 disables validation).
+            at least one when the dataset has two or more, 0 disables validation, 1 makes every
+            sample validation: ``draftsmith train validate`` on a whole dataset).
         num_workers: DataLoader worker processes.
         seed: seeds the split, the packing and the row order (reshuffled every epoch).
         aux_layers: tapped layer ids that feed the head, concatenated in ascending order;
@@ -283,23 +341,29 @@ class EagleDataModule(pl.LightningDataModule):
     def _loader(self, indices: list[int], seed: int | None) -> DataLoader:
         lengths = [self.dataset.lengths[i] for i in indices]
         rows = [[indices[i] for i in row] for row in pack(lengths, self.row_tokens, seed)]
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        return DataLoader(
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        sampler = RowSampler(len(rows), seed, rank, world)
+        return ResumableLoader(
             PackedDataset(self.dataset, rows, self.row_tokens, self.aux_layer_ids),
+            batches_done=self._batches_done,
             batch_size=self.batch_size,
-            shuffle=seed is not None,
-            generator=gen,
+            sampler=sampler,
             num_workers=self.num_workers,
             collate_fn=collate,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
 
+    def _batches_done(self) -> int:
+        """Training batches this rank has finished in the current epoch (for resuming)."""
+        if self.trainer is None:
+            return 0
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
     def train_dataloader(self) -> DataLoader:
-        """Packed and ordered by ``seed + epoch``: with ``reload_dataloaders_every_n_epochs=1``
-        each epoch is re-packed; otherwise the row order alone is reshuffled every epoch."""
-        epoch = self.trainer.current_epoch if self.trainer is not None else 0
-        return self._loader(self.train_indices, self.seed + epoch)
+        """Packed once (seeded); rows split across ranks and shuffled by ``seed + epoch``."""
+        return self._loader(self.train_indices, self.seed)
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation rows in a fixed packing and order; [] (no validation) when none."""

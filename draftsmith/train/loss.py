@@ -104,25 +104,39 @@ def step_validity(loss_mask: Tensor, doc_ids: Tensor, step: int) -> Tensor:
     return valid
 
 
-def simulated_acceptance_length(correct: Tensor, valid: Tensor) -> Tensor:
-    """Expected accepted length of a greedy K-draft chain, ``1 + sum_k prod_{j<=k} acc_j``.
+def chain_counts(correct: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-step counts of a greedy K-draft chain: (seen [K], hit [K]) long.
 
-    correct, valid: bool [K, ...] per step and stream. ``acc_k`` is conditional: among streams
-    whose steps 0..k-1 were all valid and correct ("alive") and whose step k is valid, the
-    fraction with step k correct (draft k is only verified if drafts 0..k-1 were accepted).
-    Steps with no alive valid stream end the sum.
+    correct, valid: bool [K, ...] per step and stream. ``seen[k]`` counts streams whose steps
+    0..k-1 were all valid and correct ("alive") and whose step k is valid; ``hit[k]`` those of
+    them with step k correct. Counts add up across batches and ranks.
     """
     alive = torch.ones_like(valid[0])
-    total = torch.ones((), dtype=torch.float32, device=valid.device)
-    chain = torch.ones((), dtype=torch.float32, device=valid.device)
+    seen, hit = [], []
     for k in range(valid.shape[0]):
-        seen = alive & valid[k]
-        if not seen.any():
+        s = alive & valid[k]
+        alive = s & correct[k]
+        seen.append(s.sum())
+        hit.append(alive.sum())
+    return torch.stack(seen), torch.stack(hit)
+
+
+def acceptance_from_counts(seen: Tensor, hit: Tensor) -> Tensor:
+    """``1 + sum_k prod_{j<=k} acc_j`` with ``acc_j = hit[j] / seen[j]`` (conditional: draft k
+    is only verified if drafts 0..k-1 were accepted). A step with nothing seen ends the sum."""
+    total = torch.ones((), dtype=torch.float32, device=seen.device)
+    chain = torch.ones((), dtype=torch.float32, device=seen.device)
+    for s, h in zip(seen.tolist(), hit.tolist(), strict=True):
+        if s == 0:
             break
-        chain = chain * (seen & correct[k]).sum() / seen.sum()
+        chain = chain * (h / s)
         total = total + chain
-        alive = seen & correct[k]
     return total
+
+
+def simulated_acceptance_length(correct: Tensor, valid: Tensor) -> Tensor:
+    """Expected accepted length of a greedy K-draft chain over these streams (``chain_counts``)."""
+    return acceptance_from_counts(*chain_counts(correct, valid))
 
 
 @dataclass
@@ -132,6 +146,8 @@ class TTTLoss:
     step_accuracy: Tensor  # [K] top-1 agreement with the teacher per step
     step_count: Tensor  # [K] number of valid (stream, step) pairs
     acceptance_length: Tensor  # scalar, see simulated_acceptance_length
+    chain_seen: Tensor  # [K] see chain_counts
+    chain_hit: Tensor  # [K]
 
 
 def ttt_loss(
@@ -186,10 +202,13 @@ def ttt_loss(
         counts.append(draft_index.numel())
         corrects.append(correct)
         valids.append(valid)
+    seen, hit = chain_counts(torch.stack(corrects), torch.stack(valids))
     return TTTLoss(
         loss=total,
         step_loss=torch.stack(losses),
         step_accuracy=torch.stack(accs).float(),
         step_count=torch.tensor(counts),
-        acceptance_length=simulated_acceptance_length(torch.stack(corrects), torch.stack(valids)),
+        acceptance_length=acceptance_from_counts(seen, hit),
+        chain_seen=seen,
+        chain_hit=hit,
     )

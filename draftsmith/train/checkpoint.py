@@ -1,0 +1,121 @@
+"""`draftsmith export`: a training checkpoint -> a head directory vLLM serves.
+
+A checkpoint written by ``draftsmith train`` carries, beside the weights, what the head needs
+to be rebuilt without the dataset (``DraftModule.on_save_checkpoint``): its kind, constructor
+arguments, target, tapped layer ids, the data summary and the last validation metrics.
+DeepSpeed checkpoints (directories of shards) are consolidated first.
+
+    draftsmith export --checkpoint outputs/train/smollm2/checkpoints/best.ckpt \\
+        --output outputs/heads/smollm2-eagle3
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.config import parse_config
+from draftsmith.train.export import HEADS, export_head
+from draftsmith.train.module import CHECKPOINT_KEY
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, or was not written by ``draftsmith train``."""
+
+
+@dataclass
+class ExportConfig:
+    """Write a trained head as a directory that vLLM loads (``speculative_config`` or
+    ``vllm serve DIR``)."""
+
+    checkpoint: str
+    """A ``.ckpt`` file written by ``draftsmith train`` (or a DeepSpeed checkpoint directory)."""
+    output: str
+    """Directory to write: config.json, model.safetensors, README.md (model card)."""
+    num_speculative_tokens: int = 3
+    """k that ``vllm serve DIR`` uses by default."""
+    dtype: str = "bfloat16"
+    """Weight dtype on disk: bfloat16, float16 or float32."""
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint on CPU; consolidate a DeepSpeed directory first."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint: {path} does not exist; train first or fix the path")
+    if path.is_dir():  # DeepSpeed ZeRO: shards of weights and optimizer states
+        from lightning.pytorch.utilities.deepspeed import (
+            convert_zero_checkpoint_to_fp32_state_dict,
+        )
+
+        with tempfile.TemporaryDirectory() as tmp:
+            merged = Path(tmp) / "merged.ckpt"
+            convert_zero_checkpoint_to_fp32_state_dict(str(path), str(merged))
+            ckpt = torch.load(merged, map_location="cpu", weights_only=False)
+    else:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if CHECKPOINT_KEY not in ckpt:
+        raise CheckpointError(
+            f"checkpoint: {path} has no '{CHECKPOINT_KEY}' entry; it was not written by "
+            "`draftsmith train` (a checkpoint from before its first validation has none either)"
+        )
+    return ckpt
+
+
+def head_from_checkpoint(ckpt: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(the trained head, its ``draftsmith`` info) from a loaded checkpoint."""
+    info = ckpt[CHECKPOINT_KEY]
+    head = HEADS[info["kind"]](**info["head_kwargs"])
+    state = {k[len("head.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint: head weights do not fit: missing {missing}, "
+                              f"unexpected {unexpected}")
+    return head, info
+
+
+def export_checkpoint(cfg: ExportConfig) -> Path:
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if cfg.dtype not in dtypes:
+        raise CheckpointError(f"dtype: {cfg.dtype!r} is not one of {sorted(dtypes)}")
+    ckpt = read_checkpoint(cfg.checkpoint)
+    head, info = head_from_checkpoint(ckpt)
+    hparams = dict(ckpt.get("hyper_parameters", {}))
+    card = {
+        "Training data": info.get("data", {}),
+        "Training config": {**hparams, "epochs": ckpt.get("epoch"), "steps": ckpt.get("global_step")},
+        "Metrics (validation, simulated in training)": info.get("metrics", {}),
+        "Checkpoint": {"path": str(Path(cfg.checkpoint).absolute())},
+    }
+    if "draft_vocab_coverage" in info:
+        card["Training data"] = {**card["Training data"], "draft_vocab_coverage": info["draft_vocab_coverage"]}
+    return export_head(
+        head,
+        info["kind"],
+        info["target"],
+        Path(cfg.output),
+        layer_ids=info.get("layer_ids"),
+        num_speculative_tokens=cfg.num_speculative_tokens,
+        card=card,
+        dtype=dtypes[cfg.dtype],
+    )
+
+
+def main(args: list[str] | None = None) -> int:
+    cfg = parse_config(ExportConfig, args, prog="draftsmith export")
+    try:
+        out = export_checkpoint(cfg)
+    except (CheckpointError, ValueError) as err:
+        print(f"draftsmith export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported: {out}  (vllm serve {out}, or speculative_config model={out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The Lightning module that trains a draft head with training-time test (TTT).
+
+Per batch (keys in ``data.py``): the teacher is the target's own next-token distribution,
+``softmax(lm_head(final_norm(layer N)))``, computed here from the stored last-layer state and
+the target's frozen norm and lm_head, never stored. The head is unrolled ``ttt_steps`` times
+(``ttt.py``); step k's loss is the soft cross-entropy against the teacher over the draft
+vocabulary (``loss.py``), weighted ``loss_decay**k``. EAGLE-1 adds a smooth-L1 regression of
+its output on the target's next (final-normed) state, as in the EAGLE paper.
+
+The head itself is a plain ``nn.Module`` (``heads.py``) built in ``setup`` once the dataset is
+known, so that ``draftsmith export`` can rebuild it from a checkpoint alone (see ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from draftsmith.extract.dataset import DatasetError
+from draftsmith.targets import read_target
+from draftsmith.train.data import PAD_DOC_ID, EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.export import read_target_config
+from draftsmith.train.heads import from_target_config
+from draftsmith.train.loss import (
+    acceptance_from_counts,
+    step_validity,
+    teacher_argmax,
+    ttt_loss,
+)
+from draftsmith.train.ttt import ttt_unroll
+from draftsmith.train.weights import load_target_weights
+
+CHECKPOINT_KEY = "draftsmith"
+
+
+def default_draft_vocab_size(vocab_size: int) -> int:
+    """Full vocabulary up to 32k ids; 32k above (Llama-3's 128k, Qwen's 151k)."""
+    return min(vocab_size, 32_000)
+
+
+def eos_ids(target_config: dict[str, Any]) -> list[int]:
+    """End-of-sequence ids from the target's config (always kept in the draft vocabulary)."""
+    text = target_config.get("text_config") or target_config
+    eos = text.get("eos_token_id", target_config.get("eos_token_id"))
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+class DraftModule(pl.LightningModule):
+    """Train an EAGLE-3 or EAGLE-1 head for the target a dataset was extracted from.
+
+    Args:
+        kind: ``eagle3`` (fused low/mid/high states, reduced draft vocabulary) or ``eagle1``
+            (the target's final state, the target's lm_head).
+        target: the target model (directory, hub id or short name); default: the dataset's.
+        num_layers: decoder layers in the head.
+        ttt_steps: K, draft steps unrolled per batch (training-time test).
+        loss_decay: step k's loss weight is ``loss_decay ** k``.
+        draft_vocab_size: EAGLE-3 draft vocabulary: the most frequent loss-masked tokens of
+            the dataset (EOS always kept). Default: the full vocabulary up to 32k ids, else 32k.
+        train_lm_head: EAGLE-3: train the draft lm_head (it starts from the target's rows).
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``.
+        min_lr_ratio: final learning rate as a fraction of ``lr``.
+        regression_weight: EAGLE-1: weight of the smooth-L1 feature loss.
+        ce_weight: EAGLE-1: weight of the cross-entropy (the EAGLE paper uses 0.1).
+        loss_chunk_size: tokens per chunk of logits in the loss (bounds peak memory).
+        attention: TTT attention: ``efficient`` (O(T) per step) or ``dense`` (reference).
+    """
+
+    def __init__(
+        self,
+        kind: Literal["eagle3", "eagle1"] = "eagle3",
+        target: str | None = None,
+        num_layers: int = 1,
+        ttt_steps: int = 7,
+        loss_decay: float = 0.8,
+        draft_vocab_size: int | None = None,
+        train_lm_head: bool = True,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        regression_weight: float = 1.0,
+        ce_weight: float = 0.1,
+        loss_chunk_size: int = 1024,
+        attention: Literal["efficient", "dense"] = "efficient",
+    ) -> None:
+        super().__init__()
+        if ttt_steps < 1 or not 0 < loss_decay <= 1 or lr <= 0:
+            raise ValueError(
+                f"model: need ttt_steps >= 1, 0 < loss_decay <= 1 and lr > 0; got "
+                f"ttt_steps={ttt_steps}, loss_decay={loss_decay}, lr={lr}"
+            )
+        self.save_hyperparameters()
+        self.head: torch.nn.Module | None = None
+        self.info: dict[str, Any] = {}  # what export needs: saved in every checkpoint
+        self._val_seen: Tensor | None = None
+        self._val_hit: Tensor | None = None
+        self._last_batch_end: float | None = None
+
+    # ----- building -------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Check dataset against target, build the head, pick the draft vocabulary."""
+        if self.head is not None:
+            return
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if not isinstance(dm, EagleDataModule):
+            raise TypeError("DraftModule trains on an EagleDataModule (the `data:` section)")
+        target = read_target(self.hparams.target or dm.target_path)
+        dm.check_target(target)
+        self.build(target.path, dm.aux_layer_ids, dm.teacher_layer_id)
+        if self.hparams.kind == "eagle3":
+            counts = token_counts(dm.dataset, target.vocab_size)
+            ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(self.target_config))
+            self.set_draft_vocab(ids)
+            covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
+            self.info["draft_vocab_coverage"] = round(covered, 6)
+            print(f"draft vocab: {ids.numel()} ids cover {covered:.2%} of the loss tokens")
+        self.info["data"] = {
+            "path": str(dm.data),
+            "samples": len(dm.dataset),
+            "tokens": int(dm.manifest.get("num_tokens", sum(dm.dataset.lengths))),
+            "train_samples": len(dm.train_indices),
+            "val_samples": len(dm.val_indices),
+        }
+
+    def build(self, target: str, aux_layer_ids: list[int], teacher_layer_id: int) -> None:
+        """Build the head for ``target`` and load the frozen target tensors it shares."""
+        kind = self.hparams.kind
+        n = read_target(target).num_hidden_layers
+        if kind == "eagle1" and aux_layer_ids != [n]:
+            raise DatasetError(
+                f"data.aux_layers: EAGLE-1 reads the target's last layer only; set "
+                f"data.aux_layers [{n}] (got {aux_layer_ids})"
+            )
+        if kind == "eagle3" and teacher_layer_id in aux_layer_ids:
+            raise DatasetError(f"data.aux_layers: {aux_layer_ids} must not include layer {n}")
+        _, self.target_config = read_target_config(target)
+        vocab = (self.target_config.get("text_config") or self.target_config)["vocab_size"]
+        options: dict[str, Any] = {"num_layers": self.hparams.num_layers}
+        if kind == "eagle3":
+            size = self.hparams.draft_vocab_size or default_draft_vocab_size(vocab)
+            options.update(draft_vocab_size=size, num_aux_states=len(aux_layer_ids))
+        head = from_target_config(self.target_config, kind, **options)
+        weights = load_target_weights(target)
+        head.set_embeddings(weights.embed)
+        if kind == "eagle1":
+            head.set_lm_head(weights.lm_head)
+        self.norm_eps = weights.norm_eps
+        self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
+        self.register_buffer("target_norm", weights.norm, persistent=False)
+        self.head = head
+        self.info.update(
+            kind=kind,
+            target=target,
+            head_kwargs=head.init_kwargs,
+            layer_ids=aux_layer_ids if kind == "eagle3" else None,
+        )
+
+    def set_draft_vocab(self, target_ids: Tensor) -> None:
+        """Use ``target_ids`` as the draft vocabulary; the draft lm_head starts from their
+        target rows (and stays frozen unless ``train_lm_head``)."""
+        self.head.set_draft_vocab(target_ids)
+        with torch.no_grad():
+            self.head.lm_head.weight.copy_(self.target_lm_head[target_ids.to(self.device)])
+        self.head.lm_head.weight.requires_grad_(self.hparams.train_lm_head)
+
+    # ----- checkpoints ----------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}
+        checkpoint[CHECKPOINT_KEY] = {**self.info, "metrics": metrics}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.head is None:
+            raise RuntimeError("load checkpoints through the trainer (ckpt_path) or export")
+        if self.hparams.kind == "eagle3":
+            d2t = checkpoint["state_dict"]["head.d2t"]
+            self.set_draft_vocab(d2t + torch.arange(d2t.numel(), device=d2t.device))
+
+    # ----- the objective --------------------------------------------------------------
+    def teacher(self, batch: dict[str, Tensor]) -> Tensor:
+        """Final-normed target states [B, T, H] (row p predicts token p+1)."""
+        x = batch["teacher_states"].float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.target_norm
+        return x.to(batch["teacher_states"].dtype)
+
+    def forward_loss(self, batch: dict[str, Tensor], full_vocab_top1: bool):
+        """TTT unroll + loss; returns (total loss, ``TTTLoss``)."""
+        hp, head = self.hparams, self.head
+        teacher = self.teacher(batch)
+        states = batch["aux_states"]
+        if hp.kind == "eagle1":
+            states = teacher  # EAGLE-1 reads the target's final-normed state
+        steps = ttt_unroll(
+            head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
+            hp.ttt_steps, hp.attention,
+        )  # fmt: skip
+        if hp.kind == "eagle3":
+            ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=self.device))
+            teacher_weight, to_draft = self.target_lm_head[ids], head.target_to_draft_index()
+        else:
+            teacher_weight, to_draft = self.target_lm_head, None
+        top1 = None
+        if full_vocab_top1:  # accuracy as vLLM judges it: the target's argmax over all ids
+            top1 = teacher_argmax(teacher, self.target_lm_head, to_draft, hp.loss_chunk_size)
+        out = ttt_loss(
+            steps, head.logits_weight, teacher, teacher_weight, batch["loss_mask"],
+            batch["doc_ids"], top1, hp.loss_decay, hp.loss_chunk_size,
+        )  # fmt: skip
+        loss = out.loss
+        if hp.kind == "eagle1":
+            loss = hp.ce_weight * loss + hp.regression_weight * self.regression(steps, teacher, batch)
+        return loss, out
+
+    def regression(self, steps: list[Tensor], teacher: Tensor, batch: dict[str, Tensor]) -> Tensor:
+        """EAGLE-1: smooth-L1 of step k's output at t on the target state at t+k+1."""
+        total = teacher.new_zeros((), dtype=torch.float32)
+        for k, out in enumerate(steps):
+            valid = step_validity(batch["loss_mask"], batch["doc_ids"], k)  # [B, T]
+            b, t = valid.nonzero(as_tuple=True)
+            if b.numel():
+                err = F.smooth_l1_loss(out[b, t].float(), teacher[b, t + k + 1].float())
+                total = total + self.hparams.loss_decay**k * err
+        return total
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, out = self.forward_loss(batch, full_vocab_top1=False)
+        logs = {
+            "train/loss": loss,
+            "train/acceptance_length": out.acceptance_length,
+            "train/lr": self.optimizers().param_groups[0]["lr"],
+        }
+        for k in range(len(out.step_loss)):
+            logs[f"train/loss_{k}"] = out.step_loss[k]
+            logs[f"train/acc_{k}"] = out.step_accuracy[k]
+        self.log_dict(logs, prog_bar=False, batch_size=batch["input_ids"].shape[0])
+        self.log("loss", loss, prog_bar=True, logger=False)
+        self._tokens = int((batch["doc_ids"] != PAD_DOC_ID).sum())
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Real (non-padding) tokens per second, batch end to batch end (data loading included)."""
+        now = time.perf_counter()
+        if self._last_batch_end is not None:
+            rate = self._tokens * self.trainer.world_size / max(now - self._last_batch_end, 1e-9)
+            self.log("train/tokens_per_s", rate, prog_bar=True, rank_zero_only=True)
+        self._last_batch_end = now
+
+    def on_train_epoch_start(self) -> None:
+        self._last_batch_end = None
+
+    def on_validation_epoch_start(self) -> None:
+        k = self.hparams.ttt_steps
+        self._val_seen = torch.zeros(k, dtype=torch.long, device=self.device)
+        self._val_hit = torch.zeros(k, dtype=torch.long, device=self.device)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, out = self.forward_loss(batch, full_vocab_top1=True)
+        logs = {"val/loss": loss}
+        for k in range(len(out.step_loss)):
+            logs[f"val/loss_{k}"] = out.step_loss[k]
+            logs[f"val/acc_{k}"] = out.step_accuracy[k]
+        self.log_dict(logs, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self._val_seen += out.chain_seen.to(self.device)
+        self._val_hit += out.chain_hit.to(self.device)
+
+    def on_validation_epoch_end(self) -> None:
+        """Simulated acceptance length of a greedy chain of k drafts, k = 1..ttt_steps, from
+        counts summed over every validation batch and rank."""
+        seen, hit = self._val_seen, self._val_hit
+        if self.trainer.world_size > 1:
+            seen, hit = self.all_gather(seen).sum(0), self.all_gather(hit).sum(0)
+        for k in range(1, len(seen) + 1):
+            al = acceptance_from_counts(seen[:k], hit[:k])
+            self.log(f"val/acceptance_length_k{k}", al, rank_zero_only=True)
+        full = acceptance_from_counts(seen, hit)
+        self.log("val/acceptance_length", full, prog_bar=True, sync_dist=False)
+
+    # ----- optimisation ---------------------------------------------------------------
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(hp.warmup_steps, max(total - 1, 0))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,79 @@
+"""The few target tensors a draft head shares: embeddings, final norm and lm_head.
+
+They are read straight from the target's safetensors (through the index when sharded), so
+training never loads the whole target: for Llama-3.1-8B that is 2 x 0.5B parameters instead
+of 8B. Tied embeddings (``tie_word_embeddings``, as SmolLM2) give the lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from draftsmith.targets import TargetError, resolve_model
+
+# Checkpoint names tried in order (plain Llama/Qwen, then multimodal wrappers).
+NAMES = {
+    "embed": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+    "norm": ("model.norm.weight", "model.language_model.norm.weight"),
+    "lm_head": ("lm_head.weight", "model.lm_head.weight"),
+}
+
+
+@dataclass
+class TargetWeights:
+    """Frozen target tensors: ``embed`` [V, H], ``lm_head`` [V, H], ``norm`` [H], ``norm_eps``."""
+
+    embed: Tensor
+    lm_head: Tensor
+    norm: Tensor
+    norm_eps: float
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise TargetError(
+            f"model: {model_dir} has no model.safetensors(.index.json); draftsmith reads the "
+            "target's embeddings and lm_head from safetensors (convert .bin checkpoints first)."
+        )
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_target_weights(model: str, dtype: torch.dtype = torch.float32) -> TargetWeights:
+    """Read the shared tensors of target ``model`` (a directory, hub id or short name)."""
+    model_dir = Path(resolve_model(model))
+    if not model_dir.is_dir():
+        from huggingface_hub import snapshot_download
+
+        model_dir = Path(snapshot_download(str(model_dir), allow_patterns=["*.json", "*.safetensors"]))
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") or config
+    files = _tensor_files(model_dir)
+
+    def read(kind: str) -> Tensor | None:
+        for name in NAMES[kind]:
+            if name in files:
+                with safe_open(str(files[name]), framework="pt") as f:
+                    return f.get_tensor(name).to(dtype)
+        return None
+
+    embed, norm, lm_head = read("embed"), read("norm"), read("lm_head")
+    if lm_head is None and config.get("tie_word_embeddings", text.get("tie_word_embeddings")):
+        lm_head = embed
+    missing = [k for k, v in (("embed", embed), ("norm", norm), ("lm_head", lm_head)) if v is None]
+    if missing:
+        tried = [n for k in missing for n in NAMES[k]]
+        raise TargetError(f"model: {model_dir} has none of the tensors {tried}")
+    return TargetWeights(embed, lm_head, norm, float(text.get("rms_norm_eps", 1e-6)))
