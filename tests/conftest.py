@@ -167,8 +167,14 @@ def make_eagle3_head(tiny_model_dir):
     return lambda out, **kw: write_random_eagle3_head(out, tiny_model_dir, **kw)
 
 
-def build_hf_dataset(out: Path, target_dir: Path, prompts: list[str], max_new_tokens: int = 48,
-                     layer_ids=(2, 4, 5, 8), samples_per_shard: int = 8) -> Path:
+def build_hf_dataset(
+    out: Path,
+    target_dir: Path,
+    prompts: list[str],
+    max_new_tokens: int = 48,
+    layer_ids=(2, 4, 5, 8),
+    samples_per_shard: int = 8,
+) -> Path:
     """A draftsmith dataset computed with transformers (no vLLM): the target answers each
     prompt greedily, and the states of `layer_ids` of the whole conversation are stored."""
     import torch

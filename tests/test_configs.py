@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ from draftsmith.targets import validate_layer_ids
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXTRACT = sorted((CONFIGS / "extract").glob("*.yaml"))
 EVAL = sorted((CONFIGS / "eval").glob("*.yaml"))
+TRAIN = sorted((CONFIGS / "train").glob("*.yaml"))
 
 
 def test_there_are_configs():
-    assert len(EXTRACT) >= 2 and len(EVAL) >= 2
+    assert len(EXTRACT) >= 2 and len(EVAL) >= 2 and len(TRAIN) >= 4
 
 
 @pytest.mark.parametrize("path", EXTRACT, ids=lambda p: p.name)
@@ -72,3 +74,20 @@ def test_help_shows_field_docs(capsys):
     assert (
         "residual stream after k decoder layers" in out and "--engine.tensor_parallel_size" in out
     )
+
+
+
+@pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.name)
+def test_train_configs_parse_and_validate(path, capsys):
+    """Each recipe (multi-GPU ones included) parses into the LightningCLI's types."""
+    from draftsmith.train.main import main as train_main
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# draftsmith train fit --config configs/train/" + path.name)
+    with pytest.raises(SystemExit) as exit_:
+        train_main(["fit", "--config", str(path), "--print_config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    assert "kind: eagle" in printed and "ttt_steps:" in printed
+    for json_config in re.findall(r"config: (configs/deepspeed/\S+)", path.read_text()):
+        assert (CONFIGS.parent / json_config).is_file(), json_config

@@ -74,8 +74,9 @@ def head_from_checkpoint(ckpt: dict[str, Any]) -> tuple[torch.nn.Module, dict[st
     state = {k[len("head.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint: head weights do not fit: missing {missing}, "
-                              f"unexpected {unexpected}")
+        raise CheckpointError(
+            f"checkpoint: head weights do not fit: missing {missing}, unexpected {unexpected}"
+        )
     return head, info
 
 
@@ -88,12 +89,19 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
     hparams = dict(ckpt.get("hyper_parameters", {}))
     card = {
         "Training data": info.get("data", {}),
-        "Training config": {**hparams, "epochs": ckpt.get("epoch"), "steps": ckpt.get("global_step")},
+        "Training config": {
+            **hparams,
+            "epochs": ckpt.get("epoch"),
+            "steps": ckpt.get("global_step"),
+        },
         "Metrics (validation, simulated in training)": info.get("metrics", {}),
         "Checkpoint": {"path": str(Path(cfg.checkpoint).absolute())},
     }
     if "draft_vocab_coverage" in info:
-        card["Training data"] = {**card["Training data"], "draft_vocab_coverage": info["draft_vocab_coverage"]}
+        card["Training data"] = {
+            **card["Training data"],
+            "draft_vocab_coverage": info["draft_vocab_coverage"],
+        }
     return export_head(
         head,
         info["kind"],

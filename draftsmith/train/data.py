@@ -18,6 +18,7 @@ padding. Batch convention (B rows of T = ``row_tokens`` tokens, target hidden si
 from __future__ import annotations
 
 import bisect
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -354,6 +355,14 @@ class EagleDataModule(pl.LightningDataModule):
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
+
+    def num_train_batches(self) -> int:
+        """Training batches per epoch on each rank (the packing is computed, no data read)."""
+        lengths = [self.dataset.lengths[i] for i in self.train_indices]
+        rows = len(pack(lengths, self.row_tokens, self.seed))
+        world = self.trainer.world_size if self.trainer is not None else 1
+        per_rank = math.ceil(rows / world)
+        return math.ceil(per_rank / self.batch_size)
 
     def _batches_done(self) -> int:
         """Training batches this rank has finished in the current epoch (for resuming)."""

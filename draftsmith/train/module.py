@@ -216,7 +216,9 @@ class DraftModule(pl.LightningModule):
         )  # fmt: skip
         loss = out.loss
         if hp.kind == "eagle1":
-            loss = hp.ce_weight * loss + hp.regression_weight * self.regression(steps, teacher, batch)
+            loss = hp.ce_weight * loss + hp.regression_weight * self.regression(
+                steps, teacher, batch
+            )
         return loss, out
 
     def regression(self, steps: list[Tensor], teacher: Tensor, batch: dict[str, Tensor]) -> Tensor:
@@ -284,18 +286,33 @@ class DraftModule(pl.LightningModule):
         self.log("val/acceptance_length", full, prog_bar=True, sync_dist=False)
 
     # ----- optimisation ---------------------------------------------------------------
+    def total_steps(self) -> int:
+        """Optimizer steps of the whole run, for the LR schedule. Counted from the packing
+        rather than ``trainer.estimated_stepping_batches``, which builds the train loader
+        before a checkpoint is restored and so loses the loader's mid-epoch position."""
+        trainer = self.trainer
+        if trainer.max_steps and trainer.max_steps > 0:
+            return trainer.max_steps
+        batches = trainer.datamodule.num_train_batches()
+        if trainer.limit_train_batches is not None and isinstance(trainer.limit_train_batches, int):
+            batches = min(batches, trainer.limit_train_batches)
+        per_epoch = -(-batches // trainer.accumulate_grad_batches)
+        return per_epoch * max(trainer.max_epochs or 1, 1)
+
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        total = max(self.total_steps(), 1)
         warmup = min(hp.warmup_steps, max(total - 1, 0))
 
         def factor(step: int) -> float:
             if step < warmup:
                 return (step + 1) / (warmup + 1)
             progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (
+                1 + math.cos(math.pi * progress)
+            )
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -57,7 +57,9 @@ def load_target_weights(model: str, dtype: torch.dtype = torch.float32) -> Targe
     if not model_dir.is_dir():
         from huggingface_hub import snapshot_download
 
-        model_dir = Path(snapshot_download(str(model_dir), allow_patterns=["*.json", "*.safetensors"]))
+        model_dir = Path(
+            snapshot_download(str(model_dir), allow_patterns=["*.json", "*.safetensors"])
+        )
     config = json.loads((model_dir / "config.json").read_text())
     text = config.get("text_config") or config
     files = _tensor_files(model_dir)

@@ -1,0 +1,212 @@
+"""The train stage end to end on CPU: LightningCLI, checkpoints, resume, export, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.cli import main as cli_main
+from draftsmith.extract.dataset import DatasetError
+from draftsmith.targets import TargetError
+from draftsmith.train.checkpoint import CheckpointError, read_checkpoint
+from draftsmith.train.main import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny.yaml"
+
+
+def fit_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "fit",
+        f"--config={TINY}",
+        f"--data.data={data}",
+        f"--trainer.default_root_dir={out}",
+        f"--checkpoint.dirpath={out / 'ckpt'}",
+        *extra,
+    ]
+
+
+def head_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("head.")}
+
+
+def test_fit_validates_checkpoints_and_exports(tmp_path, tiny_dataset, tiny_model_dir):
+    out = tmp_path / "run"
+    train_main(
+        fit_args(
+            tiny_dataset,
+            out,
+            "--trainer.max_epochs=3",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={out}",
+        )
+    )
+    assert (out / "ckpt" / "best.ckpt").is_file() and (out / "ckpt" / "last.ckpt").is_file()
+    ckpt = read_checkpoint(out / "ckpt" / "last.ckpt")
+    info = ckpt["draftsmith"]
+    assert info["kind"] == "eagle3" and info["layer_ids"] == [2, 4, 5]
+    assert info["target"] == str(tiny_model_dir) and info["data"]["val_samples"] == 6
+    assert ckpt["hyper_parameters"]["ttt_steps"] == 3
+
+    # Metrics: per-step loss/accuracy, simulated acceptance per k, lr, tokens/s; loss falls.
+    rows = (out / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    for key in [
+        "train/loss_2",
+        "train/acc_0",
+        "train/lr",
+        "train/tokens_per_s",
+        "val/acceptance_length",
+        "val/acceptance_length_k1",
+        "val/acc_2",
+    ]:
+        assert key in header, key
+    col = header.index("val/loss")
+    val = [float(r.split(",")[col]) for r in rows[1:] if r.split(",")[col]]
+    assert len(val) == 3 and val[-1] < val[0]
+    al = info["metrics"]["val/acceptance_length"]
+    assert 1.0 <= al <= 4.0 and info["metrics"]["val/acceptance_length_k1"] <= al
+
+    # Export: vLLM's keys and config, draft vocab from the data with EOS kept.
+    head_dir = tmp_path / "head"
+    assert (
+        cli_main(["export", f"--checkpoint={out / 'ckpt' / 'best.ckpt'}", f"--output={head_dir}"])
+        == 0
+    )
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["draft_vocab_size"] == 2048
+    tensors = load_file(head_dir / "model.safetensors")
+    d2t = tensors["d2t"]
+    target_ids = d2t + torch.arange(d2t.numel())
+    eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
+    assert eos in target_ids.tolist() and tensors["lm_head.weight"].dtype == torch.bfloat16
+    card = (head_dir / "README.md").read_text()
+    assert "val/acceptance_length" in card and str(tiny_dataset) in card
+
+
+def test_print_config_shows_overrides(tmp_path, tiny_dataset, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_main([*fit_args(tiny_dataset, tmp_path), "--model.ttt_steps=5", "--print_config"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    assert "ttt_steps: 5" in printed and "monitor: val/acceptance_length" in printed
+
+
+def test_killed_mid_epoch_resumes_to_the_same_weights(tmp_path, tiny_dataset):
+    """Checkpoint every step, crash 2 steps into epoch 1, resume: same as never stopped."""
+    common = ["--trainer.max_epochs=2", "--checkpoint.every_n_train_steps=1", "--data.batch_size=1"]
+    train_main(fit_args(tiny_dataset, tmp_path / "whole", *common))
+    per_epoch = torch.load(tmp_path / "whole" / "ckpt" / "last.ckpt", weights_only=False)
+    per_epoch = per_epoch["global_step"] // 2
+    assert per_epoch >= 3
+    crashed = tmp_path / "crashed"
+    crash = [
+        "--trainer.callbacks+=helpers.CrashAtStep",
+        f"--trainer.callbacks.step={per_epoch + 2}",
+    ]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_main(fit_args(tiny_dataset, crashed, *common, *crash))
+    last = torch.load(crashed / "ckpt" / "last.ckpt", weights_only=False)
+    assert last["global_step"] == per_epoch + 1 and last["epoch"] == 1  # mid-epoch
+    resume = f"--ckpt_path={crashed / 'ckpt' / 'last.ckpt'}"
+    train_main(fit_args(tiny_dataset, crashed, *common, resume))
+    whole, resumed = (head_state(d / "ckpt" / "last.ckpt") for d in (tmp_path / "whole", crashed))
+    for key in whole:
+        torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0, msg=key)
+
+
+def test_eagle1_head_trains_and_exports(tmp_path, tiny_dataset):
+    out = tmp_path / "e1"
+    train_main(
+        fit_args(
+            tiny_dataset,
+            out,
+            "--model.kind=eagle1",
+            "--data.aux_layers=[8]",
+            "--trainer.max_epochs=1",
+        )
+    )
+    assert (
+        cli_main(
+            [
+                "export",
+                f"--checkpoint={out / 'ckpt' / 'last.ckpt'}",
+                f"--output={tmp_path / 'head'}",
+            ]
+        )
+        == 0
+    )
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["architectures"] == ["EagleLlamaForCausalLM"]
+    assert "lm_head.weight" not in load_file(tmp_path / "head" / "model.safetensors")
+
+
+def test_ddp_on_cpu_with_two_processes_splits_the_rows(tmp_path, tiny_dataset):
+    out = tmp_path / "ddp"
+    args = fit_args(
+        tiny_dataset,
+        out,
+        "--trainer.max_epochs=1",
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--data.batch_size=1",
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "draftsmith.train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "distributed_backend=gloo" in run.stderr + run.stdout
+    ckpt = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)
+    # 18 training samples packed into rows of 256 tokens; each rank takes half the rows.
+    rows = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert rows == {"epoch": 0, "batches_done": ckpt["global_step"]}
+    single = tmp_path / "single"
+    train_main(fit_args(tiny_dataset, single, "--trainer.max_epochs=1", "--data.batch_size=1"))
+    steps = torch.load(single / "ckpt" / "last.ckpt", weights_only=False)["global_step"]
+    assert ckpt["global_step"] == -(-steps // 2)
+
+
+def test_wandb_logger_runs_offline(tmp_path, tiny_dataset, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key
+    out = tmp_path / "wb"
+    train_main(
+        fit_args(
+            tiny_dataset,
+            out,
+            "--trainer.max_epochs=1",
+            "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
+            f"--trainer.logger.save_dir={out}",
+            "--trainer.logger.project=t",
+        )
+    )
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_bad_configs_say_what_to_fix(tmp_path, tiny_dataset, make_tiny_llama):
+    with pytest.raises(FileNotFoundError, match="data.data: .*missing.*draftsmith extract"):
+        train_main(fit_args(tmp_path / "missing", tmp_path / "a"))
+    with pytest.raises(ValueError, match="trainer.strategy: unknown strategy 'dpp'"):
+        train_main(fit_args(tiny_dataset, tmp_path / "b", "--trainer.strategy=dpp"))
+    with pytest.raises(TargetError):
+        train_main(fit_args(tiny_dataset, tmp_path / "c", f"--model.target={tmp_path / 'nope'}"))
+    other = make_tiny_llama(tmp_path / "other", hidden_size=64)
+    with pytest.raises(DatasetError, match="hidden_size 128 \\(dataset\\) != 64 \\(target\\)"):
+        train_main(fit_args(tiny_dataset, tmp_path / "d", f"--model.target={other}"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_checkpoint(tmp_path / "none.ckpt")
