@@ -12,7 +12,7 @@ STAMP := $(VENV)/.setup-$(BUILD)
 QUIET_PIP := grep -v "is ignored: it is neither" || true
 CONFIG ?=
 
-.PHONY: setup test lint demo extract eval bench-extract clean
+.PHONY: setup test lint demo extract train export eval bench-extract bench-train clean
 
 setup: $(STAMP)
 
@@ -40,11 +40,21 @@ demo: setup
 extract: setup
 	$(PY) -m draftsmith.cli extract --config $(or $(CONFIG),configs/extract/smollm2.yaml)
 
+train: setup
+	$(PY) -m draftsmith.cli train fit --config $(or $(CONFIG),configs/train/smollm2.yaml)
+
+# make export CKPT=outputs/train/smollm2/checkpoints/best.ckpt OUT=outputs/heads/smollm2
+export: setup
+	$(PY) -m draftsmith.cli export --checkpoint $(CKPT) --output $(OUT)
+
 eval: setup
 	$(PY) -m draftsmith.cli eval --config $(or $(CONFIG),configs/eval/smollm2.yaml)
 
 bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))
+
+bench-train: setup
+	$(PY) -m draftsmith.cli bench-train $(if $(CONFIG),--config $(CONFIG))
 
 clean:
 	rm -rf outputs

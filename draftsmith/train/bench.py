@@ -1,0 +1,141 @@
+"""`draftsmith bench-train`: training throughput and peak memory of a head's TTT step.
+
+Times full optimizer steps (TTT unroll, chunked loss, backward, AdamW) of the head that
+``draftsmith train`` builds for the target, on packed rows of random states with the
+target's shapes, so no dataset is needed. Reports tokens/s, peak memory (CUDA allocator
+peak on GPU, process peak RSS on CPU) and, on GPU, model FLOPs utilisation against bf16 peak.
+
+    draftsmith bench-train --model smollm2-135m --ttt_steps 7 --row_tokens 2048
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.config import parse_config, to_dict
+from draftsmith.targets import read_target
+from draftsmith.train.export import read_target_config
+from draftsmith.train.heads import from_target_config
+from draftsmith.train.loss import ttt_loss
+from draftsmith.train.ttt import ttt_unroll
+from draftsmith.train.weights import load_target_weights
+
+GPU_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity
+
+
+@dataclass
+class BenchTrainConfig:
+    """Time training steps of an EAGLE-3 head for a target (random states, real shapes)."""
+
+    model: str = "smollm2-135m"
+    """Target model (directory, hub id or short name)."""
+    ttt_steps: int = 7
+    """K, draft steps unrolled per batch."""
+    row_tokens: int = 2048
+    """Tokens per packed row."""
+    batch_size: int = 1
+    """Rows per step."""
+    draft_vocab_size: int = 16384
+    """Draft vocabulary size."""
+    steps: int = 5
+    """Timed optimizer steps (after one warm-up step)."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of logits in the loss."""
+    output: str | None = None
+    """Optional JSON file for the figures."""
+
+
+def run(cfg: BenchTrainConfig) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = read_target(cfg.model)
+    _, config = read_target_config(cfg.model)
+    head = from_target_config(config, "eagle3", draft_vocab_size=cfg.draft_vocab_size)
+    weights = load_target_weights(cfg.model)
+    head.set_embeddings(weights.embed)
+    head.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
+    head.to(device)
+    teacher_w = weights.lm_head[: cfg.draft_vocab_size].to(device)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
+    b, t, h = cfg.batch_size, cfg.row_tokens, target.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, cfg.draft_vocab_size, (b, t), generator=gen),
+        "aux": torch.randn(b, t, 3 * h, generator=gen),
+        "teacher": torch.randn(b, t, h, generator=gen),
+        "positions": torch.arange(t).repeat(b, 1),
+        "doc_ids": torch.zeros(b, t, dtype=torch.long),
+        "loss_mask": torch.ones(b, t, dtype=torch.bool),
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
+
+    def step() -> None:
+        with autocast:
+            states = ttt_unroll(
+                head, batch["input_ids"], batch["aux"], batch["positions"], batch["doc_ids"],
+                cfg.ttt_steps,
+            )  # fmt: skip
+            out = ttt_loss(
+                states, head.logits_weight, batch["teacher"], teacher_w, batch["loss_mask"],
+                batch["doc_ids"], chunk_size=cfg.loss_chunk_size,
+            )  # fmt: skip
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(cfg.steps):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = b * t * cfg.steps
+    result = {
+        "config": to_dict(cfg),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": tokens / seconds,
+        "seconds_per_step": seconds / cfg.steps,
+    }
+    if device == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["mfu_bf16"] = mfu(head, cfg, tokens / seconds)
+    else:
+        result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return result
+
+
+def mfu(head: torch.nn.Module, cfg: BenchTrainConfig, tokens_per_s: float) -> float | None:
+    """Model FLOPs utilisation: 6 * params * tokens per TTT step (+ attention ignored)."""
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in GPU_BF16_PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    dense = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    flops_per_token = 6 * dense * cfg.ttt_steps
+    return flops_per_token * tokens_per_s / (peak * 1e12)
+
+
+def main(args: list[str] | None = None) -> int:
+    cfg = parse_config(BenchTrainConfig, args, prog="draftsmith bench-train")
+    result = run(cfg)
+    print(json.dumps(result, indent=2))
+    if cfg.output:
+        with open(cfg.output, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
