@@ -12,7 +12,7 @@ STAMP := $(VENV)/.setup-$(BUILD)
 QUIET_PIP := grep -v "is ignored: it is neither" || true
 CONFIG ?=
 
-.PHONY: setup test lint demo extract train export eval bench-extract bench-train clean
+.PHONY: setup test lint demo pipeline extract train export eval bench-extract bench-train clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,10 @@ lint: setup
 	$(VENV)/bin/ruff format --check draftsmith tests
 
 demo: setup
-	$(PY) -m draftsmith.cli extract --config configs/extract/smollm2.yaml --verify 4
+	$(PY) -m draftsmith.cli pipeline --config configs/pipelines/smollm2.yaml
+
+pipeline: setup
+	$(PY) -m draftsmith.cli pipeline --config $(or $(CONFIG),configs/pipelines/smollm2.yaml)
 
 extract: setup
 	$(PY) -m draftsmith.cli extract --config $(or $(CONFIG),configs/extract/smollm2.yaml)
@@ -50,7 +53,10 @@ export: setup
 eval: setup
 	$(PY) -m draftsmith.cli eval --config $(or $(CONFIG),configs/eval/smollm2.yaml)
 
-bench-extract: setup
+bench-pipeline: setup
+	$(PY) -m draftsmith.cli pipeline --config $(or $(CONFIG),configs/pipelines/smollm2.yaml)
+
+extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))
 
 bench-train: setup

@@ -17,6 +17,7 @@ STAGES = {
     "train": ("draftsmith.train.main", "train a draft head (LightningCLI: fit, validate)"),
     "export": ("draftsmith.train.checkpoint", "write a trained head as a directory vLLM serves"),
     "eval": ("draftsmith.evaluate.main", "measure a head's acceptance and speed in vLLM"),
+    "pipeline": ("draftsmith.pipelines.main", "extract -> train -> export -> eval, resumable"),
     "bench-train": ("draftsmith.train.bench", "time training steps of a head (tokens/s, memory)"),
     "bench-extract": (
         "draftsmith.extract.bench",

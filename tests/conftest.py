@@ -180,6 +180,7 @@ def build_hf_dataset(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.extract.manifest import target_entry
     from draftsmith.extract.store import write_json_atomic, write_shard
     from draftsmith.extract.template import render_prompt
     from draftsmith.extract.verify import reference_states
@@ -213,13 +214,7 @@ def build_hf_dataset(
         "format": "draftsmith.hidden_states",
         "format_version": 1,
         "complete": True,
-        "target": {
-            "path": target.path,
-            "architecture": target.architecture,
-            "config_sha256": target.config_sha256,
-            "num_hidden_layers": target.num_hidden_layers,
-            "vocab_size": target.vocab_size,
-        },
+        "target": target_entry(target),
         "tokenizer": {"path": target.path, "sha256": None},
         "layer_ids": list(layer_ids),
         "hidden_size": target.hidden_size,

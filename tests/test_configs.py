@@ -76,7 +76,6 @@ def test_help_shows_field_docs(capsys):
     )
 
 
-
 @pytest.mark.parametrize("path", TRAIN, ids=lambda p: p.name)
 def test_train_configs_parse_and_validate(path, capsys):
     """Each recipe (multi-GPU ones included) parses into the LightningCLI's types."""

@@ -57,6 +57,17 @@ def tokenizer_sha256(model_dir: str) -> str | None:
     return digest.hexdigest() if found else None
 
 
+def target_entry(target: TargetInfo) -> dict:
+    """The manifest's ``target`` section: what training checks the dataset against."""
+    return {
+        "path": target.path,
+        "architecture": target.architecture,
+        "config_sha256": target.config_sha256,
+        "num_hidden_layers": target.num_hidden_layers,
+        "vocab_size": target.vocab_size,
+    }
+
+
 def build_manifest(output: Path, target: TargetInfo, layer_ids: list[int], config: dict) -> dict:
     """Assemble the manifest from ``plan.json`` and the shard sidecars; write it atomically."""
     plan = json.loads((output / PLAN_FILE).read_text())
@@ -78,13 +89,7 @@ def build_manifest(output: Path, target: TargetInfo, layer_ids: list[int], confi
         "format_version": 1,
         "draftsmith_version": __version__,
         "complete": len(shards) == len(plan["shards"]),
-        "target": {
-            "path": target.path,
-            "architecture": target.architecture,
-            "config_sha256": target.config_sha256,
-            "num_hidden_layers": target.num_hidden_layers,
-            "vocab_size": target.vocab_size,
-        },
+        "target": target_entry(target),
         "tokenizer": {"path": target.path, "sha256": tokenizer_sha256(target.path)},
         "layer_ids": list(layer_ids),
         "layer_id_meaning": LAYER_ID_MEANING,

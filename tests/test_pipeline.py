@@ -1,0 +1,83 @@
+"""The pipeline end to end on the tiny target: content-addressed stages, resume, dry run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.pipelines.main import PipelineConfig, Plan
+from draftsmith.pipelines.main import main as pipeline_main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pipelines"
+
+
+def tiny_config(tmp_path: Path, model: Path, **changes) -> Path:
+    cfg = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(12))
+    )
+    cfg.update(model=str(model), output=str(tmp_path / "run"), **changes)
+    cfg["extract"]["data"] = [str(prompts)]
+    cfg["eval"]["datasets"] = [str(prompts)]
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.vllm
+def test_pipeline_runs_resumes_and_skips_finished_stages(tmp_path, tiny_model_dir, capsys):
+    config = tiny_config(tmp_path, tiny_model_dir)
+    # Stopped after training (as an interruption would), then run to the end.
+    assert pipeline_main([f"--config={config}", "--stop_after=train"]) == 0
+    state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
+    assert list(state["stages"]) == ["extract", "train"]
+    assert pipeline_main([f"--config={config}"]) == 0
+    state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
+    status = {s: e["status"] for s, e in state["stages"].items()}
+    assert status == {"extract": "skipped", "train": "skipped", "export": "done", "eval": "done"}
+    dirs = {s: Path(e["dir"]) for s, e in state["stages"].items()}
+    assert json.loads((dirs["extract"] / "manifest.json").read_text())["num_samples"] == 12
+    assert (dirs["train"] / "checkpoints" / "last.ckpt").is_file()
+    assert (dirs["export"] / "config.json").is_file()
+    results = json.loads((dirs["eval"] / "results.json").read_text())
+    head_run = next(r for r in results["runs"] if r["method"] == "eagle3")
+    assert head_run["lossless"]["mismatches"] == [] and head_run["counters"]["num_drafts"] > 0
+    assert "eagle3" in (tmp_path / "run" / "summary.md").read_text()
+    assert "acc len" in capsys.readouterr().out
+
+    # Same config again: nothing reruns. A changed eval section reruns eval alone.
+    assert pipeline_main([f"--config={config}"]) == 0
+    state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
+    assert {e["status"] for e in state["stages"].values()} == {"skipped"}
+    changed = yaml.safe_load(config.read_text())
+    changed["eval"]["max_tokens"] = 16
+    config.write_text(yaml.safe_dump(changed))
+    plan = Plan(PipelineConfig(**{k: v for k, v in changed.items()}))
+    assert plan.dirs["train"] == dirs["train"] and plan.dirs["eval"] != dirs["eval"]
+
+
+def test_content_addresses_follow_upstream_changes(tmp_path):
+    base = PipelineConfig(model="m", output=str(tmp_path), extract={"data": ["a"]})
+    other = PipelineConfig(model="m", output=str(tmp_path), extract={"data": ["b"]})
+    a, b = Plan(base), Plan(other)
+    assert all(a.dirs[s] != b.dirs[s] for s in a.dirs)  # every downstream stage moves
+    c = Plan(PipelineConfig(model="m", output=str(tmp_path), extract={"data": ["a"]},
+                            eval={"k": [3]}))  # fmt: skip
+    assert c.dirs["train"] == a.dirs["train"] and c.dirs["eval"] != a.dirs["eval"]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_pipeline_configs_dry_run(path, tmp_path, tiny_model_dir, capsys):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# draftsmith pipeline --config configs/pipelines/" + path.name)
+    args = [f"--config={path}", f"--output={tmp_path}", "--dry_run=true"]
+    if path.name == "tiny.yaml":
+        args.append(f"--model={tiny_model_dir}")
+    assert pipeline_main(args) == 0
+    printed = capsys.readouterr().out
+    for stage in ("extract", "train", "export", "eval"):
+        assert f"{stage:8s} ok" in printed
