@@ -53,10 +53,7 @@ export: setup
 eval: setup
 	$(PY) -m draftsmith.cli eval --config $(or $(CONFIG),configs/eval/smollm2.yaml)
 
-bench-pipeline: setup
-	$(PY) -m draftsmith.cli pipeline --config $(or $(CONFIG),configs/pipelines/smollm2.yaml)
-
-extract: setup
+bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))
 
 bench-train: setup
