@@ -277,16 +277,6 @@ def assert_lossless_with_drafts(result: dict, target_only: dict, k: int = 3) -> 
 
 
 @pytest.mark.vllm
-def test_eagle3_round_trip_in_vllm(tmp_path, tiny_model_dir, tokenizer, target_only):
-    head_dir = export_head(make_head(tiny_model_dir), "eagle3", str(tiny_model_dir), tmp_path / "h")
-    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
-    result = run_engine(
-        tmp_path / "run", tokenizer, model=str(tiny_model_dir), speculative_config=spec
-    )
-    assert_lossless_with_drafts(result, target_only)
-
-
-@pytest.mark.vllm
 def test_eagle1_round_trip_in_vllm(tmp_path, tiny_model_dir, tokenizer, target_only):
     head_dir = export_head(
         make_head(tiny_model_dir, "eagle1"), "eagle1", str(tiny_model_dir), tmp_path / "h"
