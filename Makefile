@@ -12,7 +12,7 @@ STAMP := $(VENV)/.setup-$(BUILD)
 QUIET_PIP := grep -v "is ignored: it is neither" || true
 CONFIG ?=
 
-.PHONY: setup test lint demo pipeline extract train export eval bench-extract bench-train clean
+.PHONY: setup test lint demo pipeline extract train export eval study bench-extract bench-train clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ export: setup
 
 eval: setup
 	$(PY) -m draftsmith.cli eval --config $(or $(CONFIG),configs/eval/smollm2.yaml)
+
+# The head-quality study (docs/head-quality.md): its dataset, then one pipeline per point.
+study: setup
+	$(PY) -m draftsmith.cli extract --config configs/extract/smollm2-256.yaml
+	$(PY) -m draftsmith.cli study --config $(or $(CONFIG),configs/study/smollm2.yaml)
 
 bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))

@@ -18,6 +18,7 @@ STAGES = {
     "export": ("draftsmith.train.checkpoint", "write a trained head as a directory vLLM serves"),
     "eval": ("draftsmith.evaluate.main", "measure a head's acceptance and speed in vLLM"),
     "pipeline": ("draftsmith.pipelines.main", "extract -> train -> export -> eval, resumable"),
+    "study": ("draftsmith.pipelines.study", "vary one knob at a time, measure each head in vLLM"),
     "bench-train": ("draftsmith.train.bench", "time training steps of a head (tokens/s, memory)"),
     "bench-extract": (
         "draftsmith.extract.bench",

@@ -41,10 +41,14 @@ def reference_loss(states, weight, teacher, teacher_weight, loss_mask, doc, deca
     return total
 
 
+@pytest.mark.parametrize("teacher_cache", [0, 2**28])
 @pytest.mark.parametrize("chunk_size", [7, 64, 10_000])
-def test_chunked_matches_reference_loss_and_grads(chunk_size: int) -> None:
+def test_chunked_matches_reference_loss_and_grads(chunk_size: int, teacher_cache: int) -> None:
+    """Same loss and gradients with the teacher computed once per batch or per step."""
     states, weight, teacher, tw, mask, doc = inputs()
-    out = ttt_loss(states, weight, teacher, tw, mask, doc, chunk_size=chunk_size)
+    out = ttt_loss(
+        states, weight, teacher, tw, mask, doc, chunk_size=chunk_size, teacher_cache=teacher_cache
+    )
     grads = torch.autograd.grad(out.loss, [*states, weight])
     ref = reference_loss(states, weight, teacher, tw, mask, doc)
     ref_grads = torch.autograd.grad(ref, [*states, weight])
@@ -53,6 +57,17 @@ def test_chunked_matches_reference_loss_and_grads(chunk_size: int) -> None:
         torch.testing.assert_close(g, r)
     decay = torch.tensor([0.8**k for k in range(K)])
     torch.testing.assert_close(out.loss.detach(), (decay * out.step_loss).sum())
+
+
+def test_frozen_lm_head_gets_no_gradient() -> None:
+    states, weight, teacher, tw, mask, doc = inputs()
+    frozen = weight.detach()
+    out = ttt_loss(states, frozen, teacher, tw, mask, doc)
+    ref = reference_loss(states, frozen, teacher, tw, mask, doc)
+    grads = torch.autograd.grad(out.loss, states), torch.autograd.grad(ref, states)
+    for g, r in zip(*grads, strict=True):
+        torch.testing.assert_close(g, r)
+    assert frozen.grad is None
 
 
 def test_mask_and_documents_are_respected() -> None:
@@ -86,7 +101,9 @@ def _peak(chunk_size: int, rows: int) -> tuple[int, int]:
         lambda t: saved.append(t.numel()) or t, lambda t: t
     ):
         with LargestTensor() as mode:
-            out = ttt_loss(states, weight, teacher, tw, mask, doc, chunk_size=chunk_size)
+            out = ttt_loss(
+                states, weight, teacher, tw, mask, doc, chunk_size=chunk_size, teacher_cache=0
+            )
             out.loss.backward()
     return mode.largest, sum(saved)
 

@@ -81,3 +81,56 @@ def test_pipeline_configs_dry_run(path, tmp_path, tiny_model_dir, capsys):
     printed = capsys.readouterr().out
     for stage in ("extract", "train", "export", "eval"):
         assert f"{stage:8s} ok" in printed
+
+
+CSV_LOGGER = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "x"}}
+
+
+@pytest.mark.vllm
+def test_study_two_point_grid_on_a_given_dataset(tmp_path, tiny_model_dir, tiny_dataset, capsys):
+    """Two points share the given dataset; each trains its own head and is measured in vLLM."""
+    from draftsmith.pipelines.study import main as study_main
+
+    base = tiny_config(tmp_path, tiny_model_dir)
+    study = tmp_path / "study.yaml"
+    study.write_text(
+        yaml.safe_dump(
+            {
+                "pipeline": str(base),
+                "output": str(tmp_path / "study"),
+                "k": 2,
+                "dataset": str(tmp_path / "prompts.jsonl"),
+                "common": {
+                    "data": str(tiny_dataset),
+                    "eval.baselines": [],
+                    "eval.lossless": False,
+                    "eval.limit": 4,
+                    "eval.max_tokens": 16,
+                    "train.trainer.logger": [CSV_LOGGER],  # the simulated acceptance
+                },
+                "points": {"base": {}, "ttt-1": {"train.model.ttt_steps": 1}},
+            }
+        )
+    )
+    assert study_main([f"--config={study}"]) == 0
+    rows = json.loads((tmp_path / "study" / "study.json").read_text())["rows"]
+    assert [r["point"] for r in rows] == ["base", "ttt-1"]
+    for row in rows:
+        assert "extract" in row["reused"] and row["seconds"]["train"] > 0
+        assert 1.0 <= row["head_acceptance_length"] <= 3.0
+        assert row["head_tokens_per_step"] >= 1.0
+    # Training simulates chains up to its TTT steps: k=2 for the base (2 steps), none for 1.
+    assert 1.0 <= rows[0]["simulated_acceptance_length"] <= 3.0
+    assert rows[1]["simulated_acceptance_length"] is None
+    table = (tmp_path / "study" / "study.md").read_text()
+    assert "`train.model.ttt_steps=1`" in table and "| base | (base) |" in table
+    assert (tmp_path / "study" / "study.png").stat().st_size > 0
+
+
+def test_study_rejects_an_unknown_section():
+    from draftsmith.pipelines.study import apply_overrides
+
+    merged = apply_overrides({"train": {"a": 1}}, {"train.b.c": 2})
+    assert merged == {"train": {"a": 1, "b": {"c": 2}}}
+    with pytest.raises(SystemExit, match="no section 'trian'"):
+        apply_overrides({"train": {}}, {"trian.model.lr": 1.0})

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import LargestTensor
 
-from draftsmith.train.heads import Eagle1Head, Eagle3Head
+from draftsmith.train.heads import Eagle1Head, Eagle3Head, repeat_kv
 from draftsmith.train.ttt import (
+    PrefixAttention,
     TTTAttention,
     document_causal_mask,
     masked_logsumexp,
+    prefix_attention,
     shift_tokens,
     ttt_unroll,
 )
@@ -41,6 +44,26 @@ def packed_batch(width: int = 3 * H):
         [torch.cat([torch.arange(7), torch.arange(8), torch.arange(5)]), torch.arange(20)]
     )
     return torch.randint(1, V, (2, 20)), torch.randn(2, 20, width), pos, doc
+
+
+def test_prefix_attention_matches_sdpa_and_skips_unseen_blocks() -> None:
+    """Blockwise (out, lse) equal SDPA's output and the masked log-sum-exp, gradients
+    included (float64 gradcheck), with documents and blocks that start mid-document."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 70, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 70, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k.requires_grad_(True), v.requires_grad_(True)
+    doc = torch.tensor([[0] * 30 + [1] * 40, [5] * 10 + [6] * 25 + [7] * 35])
+    mask = document_causal_mask(doc)
+    out, lse = prefix_attention(q, k, v, mask, block=16)
+    kr, vr = repeat_kv(k, 2), repeat_kv(v, 2)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask))
+    torch.testing.assert_close(lse, masked_logsumexp(q, kr, mask))
+    assert torch.autograd.gradcheck(lambda *x: prefix_attention(*x, mask, 16), (q, k, v))
+    # The last block (queries 64..69) skips the keys no row can see: document 7 of
+    # row 1 starts at 35, document 1 of row 0 at 30, so the batch skips keys 0..29.
+    assert list(PrefixAttention._blocks(mask[1:], 16))[-1] == (64, 70, 35)
+    assert list(PrefixAttention._blocks(mask, 16))[-1] == (64, 70, 30)
 
 
 def test_shift_tokens_and_mask() -> None:
@@ -80,7 +103,7 @@ def test_efficient_matches_dense_outputs_and_grads(make_head) -> None:
     ids, hs, pos, doc = packed_batch(3 * H if isinstance(head, Eagle3Head) else H)
     hs = hs.double().requires_grad_(True)
     results = []
-    for impl in ("dense", "efficient"):
+    for impl in ("dense", "efficient", "blockwise"):
         head.zero_grad()
         states = ttt_unroll(head, ids, hs, pos, doc, K, impl=impl)
         weights = torch.randn(
@@ -91,19 +114,21 @@ def test_efficient_matches_dense_outputs_and_grads(make_head) -> None:
         loss.backward()
         grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
         results.append((states, g_hs, grads))
-    (dense, g_dense, gp_dense), (eff, g_eff, gp_eff) = results
-    assert len(eff) == K
-    for a, b in zip(dense, eff, strict=True):
-        torch.testing.assert_close(a, b)
-    torch.testing.assert_close(g_dense, g_eff)
-    assert set(gp_dense) == set(gp_eff) and "fc.weight" in gp_eff or isinstance(head, Eagle1Head)
-    for name in gp_dense:
-        torch.testing.assert_close(gp_dense[name], gp_eff[name], msg=name)
+    (dense, g_dense, gp_dense), *others = results
+    for eff, g_eff, gp_eff in others:
+        assert len(eff) == K
+        for a, b in zip(dense, eff, strict=True):
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(g_dense, g_eff)
+        assert set(gp_dense) == set(gp_eff)
+        assert "fc.weight" in gp_eff or isinstance(head, Eagle1Head)
+        for name in gp_dense:
+            torch.testing.assert_close(gp_dense[name], gp_eff[name], msg=name)
     # The later steps differ from step 0 (the feedback state and diagonal keys are in use).
     assert not torch.allclose(eff[0], eff[1])
 
 
-@pytest.mark.parametrize("impl", ["dense", "efficient"])
+@pytest.mark.parametrize("impl", ["dense", "efficient", "blockwise"])
 def test_no_step_sees_the_future(impl: str) -> None:
     """Step k of stream t reads states h_<=t and tokens x_<=t+k+1, nothing later."""
     head = eagle3()
@@ -131,7 +156,7 @@ def test_no_step_sees_the_future(impl: str) -> None:
                 assert not torch.allclose(st[k][0, p], base[k][0, p])
 
 
-@pytest.mark.parametrize("impl", ["dense", "efficient"])
+@pytest.mark.parametrize("impl", ["dense", "efficient", "blockwise"])
 def test_documents_are_isolated(impl: str) -> None:
     head = eagle3()
     ids, hs, pos, doc = packed_batch()
@@ -176,5 +201,6 @@ def _largest_at_step(impl: str, step: int, t: int = 64) -> int:
 
 def test_efficient_memory_does_not_grow_with_steps() -> None:
     assert _largest_at_step("efficient", 6) == _largest_at_step("efficient", 2)
+    assert _largest_at_step("blockwise", 6) == _largest_at_step("blockwise", 2)
     assert _largest_at_step("dense", 6) > _largest_at_step("dense", 2)
     assert _largest_at_step("efficient", 6) < _largest_at_step("dense", 6)

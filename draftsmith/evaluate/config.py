@@ -47,6 +47,13 @@ class EvalConfig:
     """offline: vllm.LLM in this process; server: `vllm serve` on 127.0.0.1 (OpenAI API)."""
     lossless: bool = True
     """Compare greedy outputs of every speculative method with no speculation, token for token."""
+    train_data: str | None = None
+    """The extracted dataset the head was trained on (the pipeline fills it in): eval refuses,
+    before any engine starts, prompt sets with exact or near-duplicate prompts in it."""
+    overlap_ngram: int = 8
+    """Tokens per n-gram of the overlap check."""
+    overlap_threshold: float = 0.5
+    """Share of a prompt's n-grams found in one training sample that counts as overlap."""
     output: str = "outputs/eval"
     """Directory for results.json, report.md and plots."""
     wandb: bool = True

@@ -18,6 +18,8 @@ from draftsmith import __version__
 from draftsmith.config import parse_config, to_dict
 from draftsmith.evaluate.checks import HeadError, check_head, check_k
 from draftsmith.evaluate.config import EvalConfig
+from draftsmith.evaluate.overlap import OverlapError
+from draftsmith.extract.dataset import DatasetError
 from draftsmith.extract.sources import DataError, SkipLog, load_many
 from draftsmith.targets import TargetError, read_target
 
@@ -67,6 +69,13 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         raise HeadError(f"draft_model: {cfg.draft_model} is not a model directory.")
     tokenizer = AutoTokenizer.from_pretrained(target.path)
     sample_ids, chats, prompts = load_prompts(cfg, tokenizer)
+    overlap = None
+    if cfg.train_data:
+        from draftsmith.evaluate.overlap import check_overlap, user_turn_ids
+
+        user_ids = user_turn_ids(tokenizer, chats, sample_ids)
+        overlap = check_overlap(cfg.train_data, user_ids, cfg.overlap_ngram, cfg.overlap_threshold)
+        print(f"eval: no prompt overlaps {cfg.train_data}: {overlap['max_containment']}")
     longest = max(len(p) for ps in prompts.values() for p in ps)
     kwargs = engine_kwargs(target.path, cfg.engine, longest + cfg.max_tokens + 8)
     kwargs.pop("model")
@@ -116,6 +125,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         "head": {"path": cfg.head, "method": cfg.method, "config": head_config}
         if cfg.head
         else None,
+        "overlap": overlap,
         "runs": records,
     }, generations
 
@@ -124,7 +134,7 @@ def main(args: list[str] | None = None) -> int:
     cfg = parse_config(EvalConfig, args, prog="draftsmith eval")
     try:
         results, generations = evaluate(cfg)
-    except (HeadError, DataError, TargetError) as err:
+    except (HeadError, DataError, TargetError, OverlapError, DatasetError) as err:
         print(f"draftsmith eval: error: {err}", file=sys.stderr)
         return 2
     from draftsmith.evaluate.report import summary_table, write_report

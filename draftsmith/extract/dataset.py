@@ -16,6 +16,7 @@ import mmap
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,13 @@ class HiddenStatesDataset(Dataset):
             "loss_mask": _read_rows(mapped, t["loss_mask"], first, rows).to(torch.bool),
             "hidden_states": decode_hidden(hidden, scales, self.dtype),
         }
+
+    def token_ids(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(sample id, ``input_ids`` [T] long) of every sample, without reading hidden states."""
+        for k, shard in enumerate(self._shards):
+            ids = _read_rows(self._map(k), shard.tensors["input_ids"], 0, shard.offsets[-1])
+            for s, sid in enumerate(shard.sample_ids):
+                yield sid, ids[shard.offsets[s] : shard.offsets[s + 1]].to(torch.long)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -6,6 +6,10 @@ target's shapes, so no dataset is needed. Reports tokens/s, peak memory (CUDA al
 peak on GPU, process peak RSS on CPU) and, on GPU, model FLOPs utilisation against bf16 peak.
 
     draftsmith bench-train --model smollm2-135m --ttt_steps 7 --row_tokens 2048
+    draftsmith bench-train --model configs/targets/llama3.1-8b --random_weights true
+
+``configs/targets/*`` hold only the config.json of large targets: with ``--random_weights``
+the shared tensors are random with the target's shapes (throughput does not depend on values).
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ class BenchTrainConfig:
     """Rows per step."""
     draft_vocab_size: int = 16384
     """Draft vocabulary size."""
+    train_lm_head: bool = True
+    """Train the draft lm_head (as ``model.train_lm_head``); false skips its gradient."""
+    random_weights: bool = False
+    """Random embeddings and lm_head with the target's shapes (a directory with only a
+    config.json is enough)."""
     steps: int = 5
     """Timed optimizer steps (after one warm-up step)."""
     loss_chunk_size: int = 1024
@@ -57,11 +66,20 @@ def run(cfg: BenchTrainConfig) -> dict:
     target = read_target(cfg.model)
     _, config = read_target_config(cfg.model)
     head = from_target_config(config, "eagle3", draft_vocab_size=cfg.draft_vocab_size)
-    weights = load_target_weights(cfg.model)
-    head.set_embeddings(weights.embed)
+    if cfg.random_weights:
+        embed = torch.randn(target.vocab_size, target.hidden_size) * 0.02
+        lm_head = torch.randn(target.vocab_size, target.hidden_size) * 0.02
+    else:
+        weights = load_target_weights(cfg.model)
+        embed, lm_head = weights.embed, weights.lm_head
+    head.set_embeddings(embed)
     head.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
+    teacher_w = lm_head[: cfg.draft_vocab_size]
+    with torch.no_grad():
+        head.lm_head.weight.copy_(teacher_w)
+    head.lm_head.weight.requires_grad_(cfg.train_lm_head)
     head.to(device)
-    teacher_w = weights.lm_head[: cfg.draft_vocab_size].to(device)
+    teacher_w = teacher_w.to(device)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     b, t, h = cfg.batch_size, cfg.row_tokens, target.hidden_size
     gen = torch.Generator().manual_seed(0)

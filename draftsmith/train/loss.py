@@ -7,6 +7,9 @@ target distribution restricted to the draft vocabulary and renormalised. Tokens 
 draft vocabulary carry no loss (the head cannot produce them); they do count as errors in the
 accuracy when ``teacher_top1`` comes from the full vocabulary (``teacher_argmax``).
 
+Cost: the teacher's probabilities are computed once per batch and shared by the K TTT steps
+(``Teacher``), and the draft lm_head's gradient is skipped when it is frozen.
+
 Memory: logits are only ever built for ``chunk_size`` tokens at a time. The autograd function
 computes the loss and its gradients (``softmax(draft) - p_teacher``) chunk by chunk during the
 forward, and keeps only gradient buffers the size of its inputs ([N, H] and [draft_vocab, H]).
@@ -21,6 +24,47 @@ import torch
 from torch import Tensor
 
 
+class Teacher:
+    """The teacher's distribution over the draft vocabulary, row by row.
+
+    Row p of ``states`` [M, Ht] (final-normed target states) gives
+    ``softmax(states[p] @ weight.T)`` over the draft vocabulary ([draft_vocab, Ht] rows of the
+    target's lm_head). Every TTT step reads the same rows shifted by one, so the rows a batch
+    needs (``rows``) are computed once, in chunks, when they fit ``cache_elements`` floats;
+    otherwise each call recomputes its rows (memory stays O(chunk x draft vocab)).
+    """
+
+    def __init__(
+        self,
+        states: Tensor,
+        weight: Tensor,
+        rows: Tensor,
+        chunk_size: int = 1024,
+        cache_elements: int = 2**28,
+    ) -> None:
+        self.states, self.weight = states, weight
+        self.wide = torch.promote_types(states.dtype, torch.float32)
+        self.probs: Tensor | None = None
+        if 0 < rows.numel() * weight.shape[0] <= cache_elements:
+            self.slot = torch.full((states.shape[0],), -1, dtype=torch.long, device=rows.device)
+            self.slot[rows] = torch.arange(rows.numel(), device=rows.device)
+            parts = [self._compute(c) for c in rows.split(chunk_size)]
+            self.probs = torch.cat([p for p, _ in parts])  # [R, V]
+            self.top1 = torch.cat([t for _, t in parts])  # [R]
+
+    def _compute(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        with torch.no_grad():
+            logits = self.states[index] @ self.weight.T  # [n, V]
+            return logits.to(self.wide).softmax(-1), logits.argmax(-1)
+
+    def __call__(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """index [n] rows -> (probabilities [n, V] float32, argmax [n] draft ids)."""
+        if self.probs is None:
+            return self._compute(index)
+        slot = self.slot[index]
+        return self.probs[slot], self.top1[slot]
+
+
 class ChunkedSoftCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(p_teacher_i, softmax(x_i @ W.T)) over index pairs, in chunks of tokens."""
 
@@ -29,17 +73,16 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
         ctx,
         states: Tensor,  # [N, H] draft logits inputs (flattened)
         weight: Tensor,  # [V, H] draft lm_head
-        teacher_states: Tensor,  # [M, Ht] normed target states (flattened)
-        teacher_weight: Tensor,  # [V, Ht] target lm_head rows of the draft vocab
+        teacher: Teacher,
         draft_index: Tensor,  # [P] distinct rows of `states`
-        teacher_index: Tensor,  # [P] rows of `teacher_states`
+        teacher_index: Tensor,  # [P] rows of the teacher
         token_weight: Tensor,  # [P] float
         chunk_size: int,
-        need_grad: bool,  # grads are computed in forward; callers pass whether they need them
+        need_grad: tuple[bool, bool],  # (states, weight): grads are computed in forward
     ) -> tuple[Tensor, Tensor, Tensor]:
         wide = torch.promote_types(states.dtype, torch.float32)  # softmax math in >= float32
-        grad_states = torch.zeros_like(states) if need_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=wide) if need_grad else None
+        grad_states = torch.zeros_like(states) if need_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=wide) if need_grad[1] else None
         total = torch.zeros((), dtype=wide, device=states.device)
         draft_top1 = torch.empty_like(draft_index)
         teacher_top1 = torch.empty_like(draft_index)
@@ -47,27 +90,34 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
             di = draft_index[start : start + chunk_size]
             x = states[di]  # [n, H]
             logits = (x @ weight.T).to(wide)  # [n, V]
-            t_logits = teacher_states[teacher_index[start : start + chunk_size]] @ teacher_weight.T
-            p = t_logits.to(wide).softmax(-1)  # [n, V]
+            p, teacher_top1[start : start + chunk_size] = teacher(
+                teacher_index[start : start + chunk_size]
+            )  # [n, V]
             w = token_weight[start : start + chunk_size].to(wide)  # [n]
             logq = logits.log_softmax(-1)
             total += (w * -(p * logq).sum(-1)).sum()
             draft_top1[start : start + chunk_size] = logits.argmax(-1)
-            teacher_top1[start : start + chunk_size] = t_logits.argmax(-1)
-            if need_grad:
-                g = (logq.exp() - p) * w[:, None]  # d(w * CE) / d logits, since sum(p) = 1
+            if need_grad[0] or need_grad[1]:
+                g = logq.exp_().sub_(p).mul_(w[:, None])  # d(w * CE) / d logits (sum(p) = 1)
+            if need_grad[0]:
                 # Indices are distinct within a call: plain (deterministic) assignment.
                 grad_states[di] = (g.to(weight.dtype) @ weight).to(states.dtype)
+            if need_grad[1]:
                 grad_weight += g.T @ x.to(wide)
-        if need_grad:
-            ctx.save_for_backward(grad_states, grad_weight.to(weight.dtype))
+        grads = [
+            grad_states if need_grad[0] else None,
+            grad_weight.to(weight.dtype) if need_grad[1] else None,
+        ]
+        ctx.need_grad = need_grad
+        ctx.save_for_backward(*[g for g in grads if g is not None])
         ctx.mark_non_differentiable(draft_top1, teacher_top1)
         return total, draft_top1, teacher_top1
 
     @staticmethod
     def backward(ctx, grad_total: Tensor, *_unused: Tensor):  # type: ignore[override]
-        grad_states, grad_weight = ctx.saved_tensors
-        return grad_total * grad_states, grad_total * grad_weight, *([None] * 7)
+        saved = iter(ctx.saved_tensors)
+        grads = [grad_total * next(saved) if need else None for need in ctx.need_grad]
+        return *grads, *([None] * 6)
 
 
 def teacher_argmax(
@@ -160,6 +210,7 @@ def ttt_loss(
     teacher_top1: Tensor | None = None,
     decay: float = 0.8,
     chunk_size: int = 1024,
+    teacher_cache: int = 2**28,
 ) -> TTTLoss:
     """Loss, accuracy and simulated acceptance of a TTT unroll (alignment as in ``ttt.py``).
 
@@ -173,15 +224,25 @@ def ttt_loss(
         doc_ids: [B, T] document of each token.
         teacher_top1: [B, T] long draft id of the target's full-vocab argmax at row p (from
             ``teacher_argmax``; -1 = outside the draft vocab). None: argmax over the draft vocab.
+        teacher_cache: most floats of teacher probabilities ([rows, draft_vocab]) computed once
+            and shared by the K steps; above it (or 0) each step recomputes its chunks, so peak
+            memory stays O(chunk_size x draft_vocab).
     """
     b, t, _ = step_states[0].shape
     ar = torch.arange(b * t, device=loss_mask.device).view(b, t)  # flat row of (b, t)
-    teacher_flat = teacher_states.reshape(b * t, -1)  # [B*T, Ht]
-    losses, accs, counts, corrects, valids = [], [], [], [], []
-    need_grad = torch.is_grad_enabled() and (
-        logits_weight.requires_grad or any(s.requires_grad for s in step_states)
+    grad = torch.is_grad_enabled()
+    need_grad = (
+        grad and any(s.requires_grad for s in step_states),
+        grad and logits_weight.requires_grad,
     )
-    total = teacher_flat.new_zeros((), dtype=torch.float32)
+    # Every step's teacher rows lie among those of step 0 shifted by one ... K: the rows p
+    # whose next token x_{p+1} carries loss in p's document.
+    rows = ar[step_validity(loss_mask, doc_ids, -1)]
+    teacher = Teacher(
+        teacher_states.reshape(b * t, -1), teacher_weight, rows, chunk_size, teacher_cache
+    )
+    losses, accs, counts, corrects, valids = [], [], [], [], []
+    total = teacher_states.new_zeros((), dtype=torch.float32)
     for k, states in enumerate(step_states):
         valid = step_validity(loss_mask, doc_ids, k)  # [B, T]
         draft_index = ar[valid]  # [P]
@@ -189,7 +250,7 @@ def ttt_loss(
         count = max(draft_index.numel(), 1)
         w = torch.full((draft_index.numel(),), 1.0 / count, device=states.device)
         loss_k, draft_top1, teacher_top1_k = ChunkedSoftCrossEntropy.apply(
-            states.reshape(b * t, -1), logits_weight, teacher_flat, teacher_weight,
+            states.reshape(b * t, -1), logits_weight, teacher,
             draft_index, teacher_index, w, chunk_size, need_grad,
         )  # fmt: skip
         if teacher_top1 is not None:

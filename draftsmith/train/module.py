@@ -71,7 +71,8 @@ class DraftModule(pl.LightningModule):
         regression_weight: EAGLE-1: weight of the smooth-L1 feature loss.
         ce_weight: EAGLE-1: weight of the cross-entropy (the EAGLE paper uses 0.1).
         loss_chunk_size: tokens per chunk of logits in the loss (bounds peak memory).
-        attention: TTT attention: ``efficient`` (O(T) per step) or ``dense`` (reference).
+        attention: TTT attention: ``auto`` (blockwise on CPU, efficient on GPU), ``blockwise``,
+            ``efficient`` (SDPA; O(T) per step) or ``dense`` (reference).
     """
 
     def __init__(
@@ -90,7 +91,7 @@ class DraftModule(pl.LightningModule):
         regression_weight: float = 1.0,
         ce_weight: float = 0.1,
         loss_chunk_size: int = 1024,
-        attention: Literal["efficient", "dense"] = "efficient",
+        attention: Literal["auto", "blockwise", "efficient", "dense"] = "auto",
     ) -> None:
         super().__init__()
         if ttt_steps < 1 or not 0 < loss_decay <= 1 or lr <= 0:

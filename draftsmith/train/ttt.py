@@ -20,9 +20,12 @@ A shifted token that falls outside the row or into another document is replaced 
 ``pad_id``; those stream/step pairs are invalid targets (see ``loss.py``), and no output of a
 document ever depends on another document.
 
-Two attention implementations give the same result: ``dense`` (reference: all steps' keys
-concatenated, [T, (k+1)T] boolean mask) and ``efficient`` (SDPA over the step-0 prefix merged
-with k diagonal scores through their log-sum-exp; memory does not grow with k).
+Three attention implementations give the same result: ``dense`` (reference: all steps' keys
+concatenated, [T, (k+1)T] boolean mask), ``efficient`` (SDPA over the step-0 prefix merged
+with k diagonal scores through their log-sum-exp; memory does not grow with k) and
+``blockwise`` (the same merge, with the prefix attention and its log-sum-exp from one
+blockwise pass that skips keys a query block cannot see; ``PrefixAttention``). ``auto`` picks
+blockwise on CPU and efficient on GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from draftsmith.train.heads import Eagle1Head, Eagle3Head, repeat_kv
 
-AttentionImpl = Literal["efficient", "dense"]
+AttentionImpl = Literal["auto", "blockwise", "efficient", "dense"]
 
 
 def document_causal_mask(doc_ids: Tensor) -> Tensor:
@@ -83,8 +86,83 @@ def masked_logsumexp(q: Tensor, k: Tensor, mask: Tensor, block: int = 512) -> Te
     return torch.cat(out, dim=2)
 
 
+class PrefixAttention(torch.autograd.Function):
+    """Masked attention that also returns its log-sum-exp, computed in query blocks.
+
+    Forward and backward (flash-attention style: scores recomputed per block, nothing of
+    [T, T] kept) skip the keys a block cannot see: those after its last query (causal) and
+    before the first key any of its queries may see (document starts). The log-sum-exp output
+    is differentiable, so one pass gives what ``efficient_step_attention`` needs to merge the
+    diagonal TTT keys. q/k/v [B, n, T, hd] (k, v already repeated to n heads), mask
+    [B, 1, T, T] bool -> (out [B, n, T, hd], lse [B, n, T] float32).
+    """
+
+    @staticmethod
+    def _blocks(mask: Tensor, block: int):
+        t = mask.shape[-2]
+        for start in range(0, t, block):
+            end = min(start + block, t)
+            seen = mask[:, :, start:end, :end].any(dim=2).any(dim=0).any(dim=0)  # [end]
+            first = int(seen.nonzero()[0]) if bool(seen.any()) else 0
+            yield start, end, first
+
+    @staticmethod
+    def _probs(q, k, mask, scale, wide):
+        scores = torch.matmul(q, k.transpose(-1, -2)).to(wide) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        lse = scores.logsumexp(dim=-1)
+        return torch.exp(scores - lse[..., None]), lse
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, block):  # type: ignore[override]
+        scale, wide = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=wide, device=q.device)
+        for s, e, f in PrefixAttention._blocks(mask, block):
+            p, lse[:, :, s:e] = PrefixAttention._probs(
+                q[:, :, s:e], k[:, :, f:e], mask[:, :, s:e, f:e], scale, wide
+            )
+            out[:, :, s:e] = torch.matmul(p.to(v.dtype), v[:, :, f:e])
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.block = block
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):  # type: ignore[override]
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        scale, wide = q.shape[-1] ** -0.5, lse.dtype
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        delta = (d_out.to(wide) * out.to(wide)).sum(-1)  # [B, n, T]
+        if d_lse is not None:
+            delta = delta - d_lse  # d lse / d scores = p: folds into the softmax backward
+        for s, e, f in PrefixAttention._blocks(mask, ctx.block):
+            p, _ = PrefixAttention._probs(
+                q[:, :, s:e], k[:, :, f:e], mask[:, :, s:e, f:e], scale, wide
+            )
+            do = d_out[:, :, s:e]
+            dv[:, :, f:e] += torch.matmul(p.transpose(-1, -2).to(do.dtype), do)
+            dp = torch.matmul(do, v[:, :, f:e].transpose(-1, -2)).to(wide)
+            ds = (p * (dp - delta[:, :, s:e, None]) * scale).to(q.dtype)
+            dq[:, :, s:e] = torch.matmul(ds, k[:, :, f:e])
+            dk[:, :, f:e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
+        return dq, dk, dv, None, None
+
+
+def prefix_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, block: int = 256
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of masked attention; see ``PrefixAttention``. k/v may have fewer heads."""
+    n_rep = q.shape[1] // k.shape[1]
+    return PrefixAttention.apply(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask, block)
+
+
 def efficient_step_attention(
-    q: Tensor, keys: list[Tensor], values: list[Tensor], prefix_mask: Tensor
+    q: Tensor,
+    keys: list[Tensor],
+    values: list[Tensor],
+    prefix_mask: Tensor,
+    blockwise: bool = False,
 ) -> Tensor:
     """Step-k attention from prefix attention and k diagonal scores, merged by log-sum-exp.
 
@@ -92,9 +170,12 @@ def efficient_step_attention(
     prefix_mask [B, 1, T, T]. Returns [B, n, T, hd].
     """
     n_rep = q.shape[1] // keys[0].shape[1]
-    k0, v0 = repeat_kv(keys[0], n_rep), repeat_kv(values[0], n_rep)
-    out0 = F.scaled_dot_product_attention(q, k0, v0, attn_mask=prefix_mask)  # [B, n, T, hd]
-    lse0 = masked_logsumexp(q, k0, prefix_mask)  # [B, n, T]
+    if blockwise:  # one pass gives both, blocks above the diagonal skipped
+        out0, lse0 = prefix_attention(q, keys[0], values[0], prefix_mask)
+    else:  # the fused SDPA kernel, the log-sum-exp beside it
+        k0, v0 = repeat_kv(keys[0], n_rep), repeat_kv(values[0], n_rep)
+        out0 = F.scaled_dot_product_attention(q, k0, v0, attn_mask=prefix_mask)  # [B, n, T, hd]
+        lse0 = masked_logsumexp(q, k0, prefix_mask)  # [B, n, T]
     scale, wide = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
     # Query t of step k also sees, from each step j = 1..k, only stream t's own key.
     diag = [(q * repeat_kv(kj, n_rep)).sum(-1).to(wide) * scale for kj in keys[1:]]  # [B, n, T]
@@ -121,11 +202,16 @@ def dense_step_attention(
 class TTTAttention:
     """An ``AttendFn`` that keeps each layer's KV per draft step (the draft KV cache)."""
 
-    def __init__(self, prefix_mask: Tensor, impl: AttentionImpl = "efficient") -> None:
-        if impl not in ("efficient", "dense"):
-            raise ValueError(f"impl must be 'efficient' or 'dense', got {impl!r}")
+    def __init__(self, prefix_mask: Tensor, impl: AttentionImpl = "auto") -> None:
+        if impl not in ("auto", "blockwise", "efficient", "dense"):
+            raise ValueError(
+                f"attention must be 'auto', 'blockwise', 'efficient' or 'dense', got {impl!r}"
+            )
+        if impl == "auto":  # measured: blockwise wins on CPU, SDPA kernels on GPU
+            impl = "blockwise" if prefix_mask.device.type == "cpu" else "efficient"
         self.prefix_mask = prefix_mask  # [B, 1, T, T]
-        self.step_fn = efficient_step_attention if impl == "efficient" else dense_step_attention
+        self.blockwise = impl == "blockwise"
+        self.dense = impl == "dense"
         self.keys: dict[int, list[Tensor]] = {}
         self.values: dict[int, list[Tensor]] = {}
         self.step = 0
@@ -134,6 +220,8 @@ class TTTAttention:
         """q [B, n, T, hd], k/v [B, n_kv, T, hd] of the current step -> [B, n, T, hd]."""
         if self.step == 0:
             self.keys[layer_idx], self.values[layer_idx] = [k], [v]
+            if self.blockwise:
+                return prefix_attention(q, k, v, self.prefix_mask)[0]
             n_rep = q.shape[1] // k.shape[1]
             return F.scaled_dot_product_attention(
                 q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=self.prefix_mask
@@ -143,7 +231,9 @@ class TTTAttention:
             raise RuntimeError(f"layer {layer_idx} called twice or skipped at step {self.step}")
         keys.append(k)
         values.append(v)
-        return self.step_fn(q, keys, values, self.prefix_mask)
+        if self.dense:
+            return dense_step_attention(q, keys, values, self.prefix_mask)
+        return efficient_step_attention(q, keys, values, self.prefix_mask, self.blockwise)
 
 
 def ttt_unroll(
@@ -153,7 +243,7 @@ def ttt_unroll(
     position_ids: Tensor,
     doc_ids: Tensor,
     num_steps: int,
-    impl: AttentionImpl = "efficient",
+    impl: AttentionImpl = "auto",
     pad_id: int = 0,
 ) -> list[Tensor]:
     """Run ``num_steps`` draft steps over a packed batch; see the module docstring.

@@ -1,0 +1,175 @@
+"""``draftsmith study``: vary one knob at a time around a pipeline, measure each head in vLLM.
+
+    draftsmith study --config configs/study/smollm2.yaml
+
+Each point is the base pipeline YAML with a few dotted overrides
+(``train.model.ttt_steps: 5``). Every point runs in the same output directory, so stages
+that a point does not change (content-addressed, ``pipelines/main.py``) are reused: a grid
+over training knobs extracts once. The table gives, per point, tokens per verification step
+and acceptance length at ``k`` measured by vLLM, the simulated acceptance length logged in
+training, the draft vocabulary's coverage and the seconds of each stage; it is written to
+``<output>/study.md`` (and ``study.json``, ``study.png``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftsmith.config import parse_config
+from draftsmith.extract.store import write_json_atomic
+from draftsmith.pipelines.main import STAGES, parse_pipeline, run
+
+# Plain YAML values: ``Any`` would let the parser instantiate ``class_path`` dicts (loggers).
+Overrides = dict[str, None | bool | int | float | str | list | dict]
+
+
+@dataclass
+class StudyConfig:
+    """Vary one knob at a time around a pipeline config and tabulate the heads in vLLM."""
+
+    pipeline: str = "configs/pipelines/smollm2.yaml"
+    """The base pipeline YAML (every point starts from it)."""
+    common: Overrides = field(default_factory=dict)
+    """Dotted overrides applied to every point (before the point's own)."""
+    points: dict[str, Overrides] = field(default_factory=lambda: {"base": {}})
+    """Point name -> dotted overrides of the pipeline YAML, e.g. {train.model.ttt_steps: 5}."""
+    output: str = "outputs/study"
+    """Run directory shared by every point (stages are reused across points)."""
+    k: int = 3
+    """Draft length whose acceptance the table reports (the eval section must measure it)."""
+    dataset: str = "mt_bench"
+    """Evaluation set the table reports."""
+
+
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``base`` with ``{"a.b.c": v}`` set; unknown top-level keys are errors."""
+    out = json.loads(json.dumps(base))
+    for dotted, value in overrides.items():
+        keys = dotted.split(".")
+        if keys[0] not in out and keys[0] not in (*STAGES, "data"):
+            raise SystemExit(f"study: points: {dotted!r}: no section {keys[0]!r} in the pipeline")
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return out
+
+
+def train_metrics(train_dir: Path) -> dict[str, float]:
+    """The last logged value of each val/ metric of a train stage (CSV logger)."""
+    last: dict[str, float] = {}
+    for path in sorted(train_dir.glob("**/metrics.csv")):
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                for key, value in row.items():
+                    if key.startswith("val/") and value:
+                        last[key] = float(value)
+    return last
+
+
+def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict[str, Any]:
+    stages = state["stages"]
+    row: dict[str, Any] = {
+        "point": name,
+        "overrides": overrides,
+        "seconds": {s: e["seconds"] for s, e in stages.items()},
+        "reused": [s for s, e in stages.items() if e["status"] in ("skipped", "given")],
+    }
+    metrics = train_metrics(Path(stages["train"]["dir"])) if "train" in stages else {}
+    row["simulated_acceptance_length"] = metrics.get(f"val/acceptance_length_k{cfg.k}")
+    card = Path(stages.get("export", {}).get("dir", ""), "config.json")
+    if card.is_file():
+        row["draft_vocab_size"] = json.loads(card.read_text()).get("draft_vocab_size")
+    results = Path(stages.get("eval", {}).get("dir", ""), "results.json")
+    if results.is_file():
+        for run_ in json.loads(results.read_text())["runs"]:
+            if run_["dataset"] != cfg.dataset or run_["k"] != cfg.k:
+                continue
+            prefix = "head" if run_["method"] in ("eagle3", "eagle") else run_["method"]
+            row[f"{prefix}_acceptance_length"] = run_["acceptance_length"]
+            row[f"{prefix}_tokens_per_step"] = run_["tokens_per_step"]
+            row[f"{prefix}_per_position"] = run_["per_position"]
+    return row
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def table(rows: list[dict[str, Any]], cfg: StudyConfig) -> str:
+    lines = [
+        f"| point | overrides | tokens/step k={cfg.k} | acceptance length | per position "
+        "| simulated (train) | train s | eval s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        over = ", ".join(f"`{k}={v}`" for k, v in r["overrides"].items()) or "(base)"
+        pos = " / ".join(f"{p:.2f}" for p in r.get("head_per_position") or [])
+        secs = r.get("seconds", {})
+        lines.append(
+            f"| {r['point']} | {over} | {_fmt(r.get('head_tokens_per_step'))} "
+            f"| {_fmt(r.get('head_acceptance_length'))} | {pos or '–'} "
+            f"| {_fmt(r.get('simulated_acceptance_length'))} | {_fmt(secs.get('train'), 0)} "
+            f"| {_fmt(secs.get('eval'), 0)} |"
+            + (f" failed: {r['error']}" if r.get("error") else "")
+        )
+    ngram = next((r["ngram_tokens_per_step"] for r in rows if r.get("ngram_tokens_per_step")), None)
+    if ngram:
+        lines.append(f"\nngram in the same runs: {ngram:.3f} tokens/step at k={cfg.k}.")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, k: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["point"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(rows)), 3))
+    ax.bar(names, [r.get("head_tokens_per_step") or 0 for r in rows], color="tab:blue")
+    ax.set_ylabel(f"tokens / step (k={k})")
+    ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: list[str] | None = None) -> int:
+    cfg = parse_config(StudyConfig, args, prog="draftsmith study")
+    base = yaml.safe_load(Path(cfg.pipeline).read_text())
+    out = Path(cfg.output)
+    (out / "points").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, overrides in cfg.points.items():
+        point = apply_overrides(apply_overrides(base, cfg.common), overrides or {})
+        point["output"] = str(out)
+        path = out / "points" / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(point, sort_keys=False))
+        print(f"study: point {name}: {overrides or '(base)'}", flush=True)
+        try:
+            state = run(parse_pipeline(["--config", str(path)]))
+            rows.append(point_row(name, overrides or {}, state, cfg))
+        except (Exception, SystemExit) as err:  # one failed point does not end the study
+            traceback.print_exc()
+            rows.append({"point": name, "overrides": overrides or {}, "error": str(err)[:200]})
+        write_json_atomic(out / "study.json", {"config": cfg.__dict__, "rows": rows})
+    text = table(rows, cfg)
+    (out / "study.md").write_text(text + "\n")
+    plot(rows, out / "study.png", cfg.k)
+    print(text)
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
