@@ -90,3 +90,21 @@ def test_train_configs_parse_and_validate(path, capsys):
     assert "kind: eagle" in printed and "ttt_steps:" in printed
     for json_config in re.findall(r"config: (configs/deepspeed/\S+)", path.read_text()):
         assert (CONFIGS.parent / json_config).is_file(), json_config
+
+
+def test_cpu_runtime_env_fills_defaults_and_keeps_the_users(tmp_path, monkeypatch):
+    from draftsmith.extract.config import EngineOptions
+    from draftsmith.extract.engine import cpu_runtime_env
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    monkeypatch.setattr("sys.prefix", str(tmp_path))
+    env = {"LD_PRELOAD": "/x/libfoo.so"}
+    cpu_runtime_env(EngineOptions(), env)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["LD_PRELOAD"] == f"{tmp_path}/lib/libiomp5.so:/x/libfoo.so"
+    cpu_runtime_env(EngineOptions(), env)  # idempotent
+    assert env["LD_PRELOAD"].count("libiomp5") == 1
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    cpu_runtime_env(EngineOptions(cpu_preload_iomp=False), env)
+    assert env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # the user's choice stands

@@ -346,3 +346,21 @@ def test_summary_table_has_one_row_per_run():
 )
 def test_fmt_rounds_half_up(value, digits, expected):
     assert fmt(value, digits) == expected
+
+
+def test_draft_vocab_coverage_counts_tokens_the_head_can_draft(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from draftsmith.evaluate.report import markdown
+    from draftsmith.evaluate.runs import draft_vocab_coverage
+
+    save_file({"d2t": torch.tensor([0, 1, 3])}, str(tmp_path / "model.safetensors"))
+    cover = draft_vocab_coverage(str(tmp_path), [[0, 2, 2], [1, 5]])  # draft vocab {0, 2, 5}
+    assert cover == {"size": 3, "tokens": 5, "covered": 0.8}
+    save_file({"fc.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    assert draft_vocab_coverage(str(tmp_path), [[0]]) is None  # a full-vocabulary head
+    results = make_results()
+    results["runs"][-1]["draft_vocab_coverage"] = cover
+    text = markdown(results, [])
+    assert "draft vocabulary (3 ids) holds 80.0% of the target's 5 greedy output tokens" in text

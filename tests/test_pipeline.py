@@ -119,6 +119,7 @@ def test_study_two_point_grid_on_a_given_dataset(tmp_path, tiny_model_dir, tiny_
         assert "extract" in row["reused"] and row["seconds"]["train"] > 0
         assert 1.0 <= row["head_acceptance_length"] <= 3.0
         assert row["head_tokens_per_step"] >= 1.0
+        assert 0.0 < row["draft_vocab_coverage"] <= 1.0  # of the target's eval outputs
     # Training simulates chains up to its TTT steps: k=2 for the base (2 steps), none for 1.
     assert 1.0 <= rows[0]["simulated_acceptance_length"] <= 3.0
     assert rows[1]["simulated_acceptance_length"] is None
@@ -134,3 +135,24 @@ def test_study_rejects_an_unknown_section():
     assert merged == {"train": {"a": 1, "b": {"c": 2}}}
     with pytest.raises(SystemExit, match="no section 'trian'"):
         apply_overrides({"train": {}}, {"trian.model.lr": 1.0})
+
+
+@pytest.mark.parametrize(
+    "path", sorted((CONFIGS.parent / "study").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_study_configs_parse_and_every_point_resolves(path, tmp_path, capsys):
+    """The study's defaults parse, and each point is a pipeline whose stages all resolve."""
+    from draftsmith.config import parse_config
+    from draftsmith.pipelines.study import StudyConfig, apply_overrides
+
+    assert path.read_text().startswith("# draftsmith study --config configs/study/" + path.name)
+    cfg = parse_config(StudyConfig, ["--config", str(path)], prog="test")
+    base = yaml.safe_load((CONFIGS.parents[1] / cfg.pipeline).read_text())
+    assert cfg.k in apply_overrides(base, cfg.common)["eval"]["k"]
+    for name, overrides in cfg.points.items():
+        point = apply_overrides(apply_overrides(base, cfg.common), overrides)
+        point.pop("data", None)  # the study's dataset is written by `make study`, not here
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(point))
+        assert pipeline_main([f"--config={config}", f"--output={tmp_path}", "--dry_run=true"]) == 0
+        assert "train    ok" in capsys.readouterr().out, name

@@ -101,6 +101,10 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
             ref = outputs[(runs.Method("none"), rec["dataset"], 0.0)]
             got = outputs[(method, rec["dataset"], 0.0)]
             rec["lossless"] = runs.lossless_check(sample_ids[rec["dataset"]], ref, got)
+    for rec in records:  # greedy outputs are the target's own whatever the method
+        if cfg.head and rec["method"] == cfg.method and rec["temperature"] == 0.0:
+            got = outputs[(runs.Method(rec["method"], rec["k"]), rec["dataset"], 0.0)]
+            rec["draft_vocab_coverage"] = runs.draft_vocab_coverage(cfg.head, got)
     if cfg.derive_k:
         for rec in list(records):
             if rec["counters"] and rec["k"] == max(ks):

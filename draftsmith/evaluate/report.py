@@ -131,6 +131,16 @@ def markdown(results: dict, plots: list[str]) -> str:
         lines += ["| " + " | ".join(cells(r)) + " |" for r in runs]
         notes = footnotes(runs)
         lines += ["", *notes] if notes else []
+        cover = next(
+            (r["draft_vocab_coverage"] for r in runs if r.get("draft_vocab_coverage")), None
+        )
+        if cover:
+            lines += [
+                "",
+                f"The head's draft vocabulary ({cover['size']:,} ids) holds "
+                f"{100 * cover['covered']:.1f}% of the target's {cover['tokens']:,} greedy output "
+                "tokens here; the rest can never be drafted.",
+            ]
         bad = [r for r in runs if r.get("lossless") and r["lossless"]["mismatches"]]
         if bad:
             lines += ["", "Greedy outputs that differ from no speculation:", ""]

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tokens_per_step
@@ -181,6 +184,22 @@ def offline_runs(
         )
     finally:
         close_engine(llm)
+
+
+def draft_vocab_coverage(head: str, outputs: list[list[int]]) -> dict | None:
+    """Share of ``outputs``' tokens (target ids) inside a head's reduced draft vocabulary
+    (``d2t`` in its safetensors; None for a full-vocabulary head): tokens outside it can
+    never be drafted, so this bounds the acceptance at every position."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(head, "model.safetensors")), framework="pt") as f:
+        if "d2t" not in f.keys():
+            return None
+        d2t = f.get_tensor("d2t").long()  # draft id i -> target id i + d2t[i]
+    vocab = set((d2t + torch.arange(d2t.numel())).tolist())
+    tokens = [t for out in outputs for t in out]
+    inside = sum(t in vocab for t in tokens)
+    return {"size": d2t.numel(), "tokens": len(tokens), "covered": inside / max(len(tokens), 1)}
 
 
 def lossless_check(ids: list[str], reference: list[list[int]], candidate: list[list[int]]) -> dict:

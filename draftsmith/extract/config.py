@@ -25,6 +25,13 @@ class EngineOptions:
     model_dtype: str = "auto"
     """Dtype the target runs in: auto = float32 on CPU (bf16 is slow without AVX-512),
     bfloat16 on GPU."""
+    cpu_reserved_cores: int | None = 0
+    """CPU build: cores vLLM keeps free of compute threads (``VLLM_CPU_NUM_OF_RESERVED_CPU``).
+    vLLM's own default reserves one, which leaves a 2-core machine one compute core; 0
+    measured 1.63x the batch-64 and 1.37x the single-stream tokens/s here. null = vLLM's."""
+    cpu_preload_iomp: bool = True
+    """CPU build: put the venv's ``libiomp5.so`` in ``LD_PRELOAD`` of vLLM's processes, as
+    vLLM advises (measured: single-stream 28.0 against 24.0 tok/s without it)."""
     extra: dict = field(default_factory=dict)
     """Any other `vllm.LLM` keyword arguments, passed as they are."""
 

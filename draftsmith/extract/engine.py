@@ -7,6 +7,9 @@ Importing vLLM is slow and spawns workers; keep calls to `capture_engine` under
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
 
 from draftsmith.extract.config import EngineOptions
 
@@ -21,9 +24,23 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def cpu_runtime_env(options: EngineOptions, env: MutableMapping[str, str] = os.environ) -> None:
+    """Thread and OpenMP settings for vLLM's CPU build, written into ``env`` (the processes
+    vLLM spawns inherit it). Values the user already set are kept."""
+    if options.cpu_reserved_cores is not None:
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(options.cpu_reserved_cores))
+    iomp = Path(sys.prefix, "lib", "libiomp5.so")
+    preload = env.get("LD_PRELOAD", "")
+    if options.cpu_preload_iomp and iomp.is_file() and "libiomp5" not in preload:
+        env["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
+
+
 def engine_kwargs(model: str, options: EngineOptions, max_len: int) -> dict:
-    """`vllm.LLM` keyword arguments with the per-device defaults filled in."""
+    """`vllm.LLM` keyword arguments with the per-device defaults filled in (on the CPU
+    build, also the environment of ``cpu_runtime_env``)."""
     cpu = on_cpu()
+    if cpu:
+        cpu_runtime_env(options)
     kwargs = dict(
         model=model,
         dtype=("float32" if cpu else "bfloat16")

@@ -97,6 +97,8 @@ def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict
             row[f"{prefix}_acceptance_length"] = run_["acceptance_length"]
             row[f"{prefix}_tokens_per_step"] = run_["tokens_per_step"]
             row[f"{prefix}_per_position"] = run_["per_position"]
+            if run_.get("draft_vocab_coverage"):
+                row["draft_vocab_coverage"] = run_["draft_vocab_coverage"]["covered"]
     return row
 
 
@@ -106,11 +108,18 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _vocab(row: dict[str, Any]) -> str:
+    size, cover = row.get("draft_vocab_size"), row.get("draft_vocab_coverage")
+    if size is None:
+        return "–"
+    return f"{size:,}" + (f" ({100 * cover:.1f}%)" if cover is not None else " (full)")
+
+
 def table(rows: list[dict[str, Any]], cfg: StudyConfig) -> str:
     lines = [
         f"| point | overrides | tokens/step k={cfg.k} | acceptance length | per position "
-        "| simulated (train) | train s | eval s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| simulated (train) | draft vocab (coverage) | train s | eval s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         over = ", ".join(f"`{k}={v}`" for k, v in r["overrides"].items()) or "(base)"
@@ -119,7 +128,8 @@ def table(rows: list[dict[str, Any]], cfg: StudyConfig) -> str:
         lines.append(
             f"| {r['point']} | {over} | {_fmt(r.get('head_tokens_per_step'))} "
             f"| {_fmt(r.get('head_acceptance_length'))} | {pos or '–'} "
-            f"| {_fmt(r.get('simulated_acceptance_length'))} | {_fmt(secs.get('train'), 0)} "
+            f"| {_fmt(r.get('simulated_acceptance_length'))} | {_vocab(r)} "
+            f"| {_fmt(secs.get('train'), 0)} "
             f"| {_fmt(secs.get('eval'), 0)} |"
             + (f" failed: {r['error']}" if r.get("error") else "")
         )

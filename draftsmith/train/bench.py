@@ -28,7 +28,7 @@ from draftsmith.targets import read_target
 from draftsmith.train.export import read_target_config
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.loss import ttt_loss
-from draftsmith.train.ttt import ttt_unroll
+from draftsmith.train.ttt import AttentionImpl, ttt_unroll
 from draftsmith.train.weights import load_target_weights
 
 GPU_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity
@@ -57,6 +57,8 @@ class BenchTrainConfig:
     """Timed optimizer steps (after one warm-up step)."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of logits in the loss."""
+    attention: AttentionImpl = "auto"
+    """TTT attention (as ``model.attention``): auto, blockwise, efficient or dense."""
     output: str | None = None
     """Optional JSON file for the figures."""
 
@@ -98,7 +100,7 @@ def run(cfg: BenchTrainConfig) -> dict:
         with autocast:
             states = ttt_unroll(
                 head, batch["input_ids"], batch["aux"], batch["positions"], batch["doc_ids"],
-                cfg.ttt_steps,
+                cfg.ttt_steps, cfg.attention,
             )  # fmt: skip
             out = ttt_loss(
                 states, head.logits_weight, batch["teacher"], teacher_w, batch["loss_mask"],

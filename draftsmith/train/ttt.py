@@ -107,20 +107,22 @@ class PrefixAttention(torch.autograd.Function):
             yield start, end, first
 
     @staticmethod
-    def _probs(q, k, mask, scale, wide):
-        scores = torch.matmul(q, k.transpose(-1, -2)).to(wide) * scale
-        scores = scores.masked_fill(~mask, float("-inf"))
+    def _probs(q, k, mask, wide):
+        """Softmax of the masked scores of one block (q pre-scaled), in place: few passes."""
+        scores = torch.matmul(q, k.transpose(-1, -2)).to(wide)
+        scores.masked_fill_(~mask, float("-inf"))
         lse = scores.logsumexp(dim=-1)
-        return torch.exp(scores - lse[..., None]), lse
+        return scores.sub_(lse[..., None]).exp_(), lse
 
     @staticmethod
     def forward(ctx, q, k, v, mask, block):  # type: ignore[override]
         scale, wide = q.shape[-1] ** -0.5, torch.promote_types(q.dtype, torch.float32)
+        qs = q * scale  # scaling q ([T, hd]) is cheaper than scaling the scores ([T, T])
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=wide, device=q.device)
         for s, e, f in PrefixAttention._blocks(mask, block):
             p, lse[:, :, s:e] = PrefixAttention._probs(
-                q[:, :, s:e], k[:, :, f:e], mask[:, :, s:e, f:e], scale, wide
+                qs[:, :, s:e], k[:, :, f:e], mask[:, :, s:e, f:e], wide
             )
             out[:, :, s:e] = torch.matmul(p.to(v.dtype), v[:, :, f:e])
         ctx.save_for_backward(q, k, v, mask, out, lse)
@@ -131,21 +133,20 @@ class PrefixAttention(torch.autograd.Function):
     def backward(ctx, d_out, d_lse):  # type: ignore[override]
         q, k, v, mask, out, lse = ctx.saved_tensors
         scale, wide = q.shape[-1] ** -0.5, lse.dtype
+        qs = q * scale
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         d_out = torch.zeros_like(out) if d_out is None else d_out
         delta = (d_out.to(wide) * out.to(wide)).sum(-1)  # [B, n, T]
         if d_lse is not None:
             delta = delta - d_lse  # d lse / d scores = p: folds into the softmax backward
         for s, e, f in PrefixAttention._blocks(mask, ctx.block):
-            p, _ = PrefixAttention._probs(
-                q[:, :, s:e], k[:, :, f:e], mask[:, :, s:e, f:e], scale, wide
-            )
+            p, _ = PrefixAttention._probs(qs[:, :, s:e], k[:, :, f:e], mask[:, :, s:e, f:e], wide)
             do = d_out[:, :, s:e]
             dv[:, :, f:e] += torch.matmul(p.transpose(-1, -2).to(do.dtype), do)
             dp = torch.matmul(do, v[:, :, f:e].transpose(-1, -2)).to(wide)
-            ds = (p * (dp - delta[:, :, s:e, None]) * scale).to(q.dtype)
-            dq[:, :, s:e] = torch.matmul(ds, k[:, :, f:e])
-            dk[:, :, f:e] += torch.matmul(ds.transpose(-1, -2), q[:, :, s:e])
+            ds = dp.sub_(delta[:, :, s:e, None]).mul_(p).to(q.dtype)  # d scores / scale
+            dq[:, :, s:e] = torch.matmul(ds, k[:, :, f:e]).mul_(scale)
+            dk[:, :, f:e] += torch.matmul(ds.transpose(-1, -2), qs[:, :, s:e])
         return dq, dk, dv, None, None
 
 
