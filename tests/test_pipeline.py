@@ -20,9 +20,13 @@ def tiny_config(tmp_path: Path, model: Path, **changes) -> Path:
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(12))
     )
+    held_out = tmp_path / "eval.jsonl"  # the overlap guard refuses training prompts
+    held_out.write_text(
+        "".join(json.dumps({"prompt": f"Write a haiku about colour {c}."}) + "\n" for c in "RGB")
+    )
     cfg.update(model=str(model), output=str(tmp_path / "run"), **changes)
     cfg["extract"]["data"] = [str(prompts)]
-    cfg["eval"]["datasets"] = [str(prompts)]
+    cfg["eval"]["datasets"] = [str(held_out)]
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -99,7 +103,7 @@ def test_study_two_point_grid_on_a_given_dataset(tmp_path, tiny_model_dir, tiny_
                 "pipeline": str(base),
                 "output": str(tmp_path / "study"),
                 "k": 2,
-                "dataset": str(tmp_path / "prompts.jsonl"),
+                "dataset": str(tmp_path / "eval.jsonl"),
                 "common": {
                     "data": str(tiny_dataset),
                     "eval.baselines": [],
