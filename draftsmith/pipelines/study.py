@@ -112,7 +112,7 @@ def _vocab(row: dict[str, Any]) -> str:
     size, cover = row.get("draft_vocab_size"), row.get("draft_vocab_coverage")
     if size is None:
         return "–"
-    return f"{size:,}" + (f" ({100 * cover:.1f}%)" if cover is not None else " (full)")
+    return f"{size:,}" + (f" ({100 * cover:.1f}%)" if cover is not None else "")
 
 
 def table(rows: list[dict[str, Any]], cfg: StudyConfig) -> str:
