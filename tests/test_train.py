@@ -95,6 +95,38 @@ def test_fit_validates_checkpoints_and_exports(tmp_path, tiny_dataset, tiny_mode
     assert "val/acceptance_length" in card and str(tiny_dataset) in card
 
 
+def test_lr_schedule_warms_up_then_anneals_by_steps_or_time():
+    from draftsmith.train.module import lr_factor
+
+    assert lr_factor(0, 2, 10, 0.1) == pytest.approx(1 / 3)  # warm-up
+    assert lr_factor(2, 2, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(6, 2, 10, 0.1) == pytest.approx(0.55)  # half way down the cosine
+    assert lr_factor(10, 2, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(3, 2, 10, 0.1, time_done=1.0) == pytest.approx(0.1)  # the cap is near
+    assert lr_factor(6, 2, 10, 0.1, time_done=0.2) == pytest.approx(0.55)  # steps lead
+
+
+def test_a_fit_stopped_by_its_time_cap_ends_annealed(tmp_path, tiny_dataset):
+    out = tmp_path / "run"
+    train_main(
+        fit_args(
+            tiny_dataset,
+            out,
+            "--trainer.max_epochs=100000",  # by steps the cosine would barely have started
+            "--trainer.max_time=00:00:00:08",
+            "--model.warmup_steps=0",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={out}",
+        )
+    )
+    rows = (out / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    col = rows[0].split(",").index("train/lr")
+    lrs = [float(r.split(",")[col]) for r in rows[1:] if r.split(",")[col]]
+    assert len(lrs) >= 3 and lrs[0] > 0.9 * 3e-3  # tiny.yaml's peak
+    assert lrs[-1] < 0.5 * 3e-3 and lrs == sorted(lrs, reverse=True)  # down towards 3e-4
+
+
 def test_print_config_shows_overrides(tmp_path, tiny_dataset, capsys):
     with pytest.raises(SystemExit) as exit_:
         train_main([*fit_args(tiny_dataset, tmp_path), "--model.ttt_steps=5", "--print_config"])

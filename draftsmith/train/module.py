@@ -20,6 +20,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 
 from draftsmith.extract.dataset import DatasetError
@@ -68,6 +69,9 @@ class DraftModule(pl.LightningModule):
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``.
         min_lr_ratio: final learning rate as a fraction of ``lr``.
+        anneal_to_time_cap: with ``trainer.max_time`` set, the cosine follows whichever is
+            further along, optimizer steps or the time cap, so a run the cap stops before
+            ``max_epochs`` still ends at ``min_lr_ratio * lr`` (the demo stops this way).
         regression_weight: EAGLE-1: weight of the smooth-L1 feature loss.
         ce_weight: EAGLE-1: weight of the cross-entropy (the EAGLE paper uses 0.1).
         loss_chunk_size: tokens per chunk of logits in the loss (bounds peak memory).
@@ -88,6 +92,7 @@ class DraftModule(pl.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         min_lr_ratio: float = 0.1,
+        anneal_to_time_cap: bool = True,
         regression_weight: float = 1.0,
         ce_weight: float = 0.1,
         loss_chunk_size: int = 1024,
@@ -300,6 +305,17 @@ class DraftModule(pl.LightningModule):
         per_epoch = -(-batches // trainer.accumulate_grad_batches)
         return per_epoch * max(trainer.max_epochs or 1, 1)
 
+    def time_progress(self) -> float:
+        """Fraction of ``trainer.max_time`` spent in fit so far; 0 without a time cap."""
+        if not self.hparams.anneal_to_time_cap or self._trainer is None:
+            return 0.0
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        remaining = timer.time_remaining("train") if timer is not None else None
+        if remaining is None:
+            return 0.0
+        elapsed = timer.time_elapsed("train")
+        return min(elapsed / max(elapsed + remaining, 1e-9), 1.0)
+
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
@@ -308,12 +324,19 @@ class DraftModule(pl.LightningModule):
         warmup = min(hp.warmup_steps, max(total - 1, 0))
 
         def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (
-                1 + math.cos(math.pi * progress)
-            )
+            return lr_factor(step, warmup, total, hp.min_lr_ratio, self.time_progress())
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_factor(
+    step: int, warmup: int, total: int, min_ratio: float, time_done: float = 0.0
+) -> float:
+    """Learning-rate multiplier: linear warm-up over ``warmup`` steps, then a cosine from 1
+    to ``min_ratio`` over the rest of ``total`` steps, or of the time cap when ``time_done``
+    (its spent fraction, 0..1) is further along."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = max((step - warmup) / max(total - warmup, 1), time_done)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
