@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.pipelines.main import PipelineConfig, Plan
+from draftsmith.pipelines.main import TRAIN_STARTUP_S, PipelineConfig, Plan, train_time
 from draftsmith.pipelines.main import main as pipeline_main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pipelines"
@@ -34,11 +34,18 @@ def tiny_config(tmp_path: Path, model: Path, **changes) -> Path:
 
 @pytest.mark.vllm
 def test_pipeline_runs_resumes_and_skips_finished_stages(tmp_path, tiny_model_dir, capsys):
-    config = tiny_config(tmp_path, tiny_model_dir)
+    config = tiny_config(tmp_path, tiny_model_dir, time_budget="00:01:00:00")
     # Stopped after training (as an interruption would), then run to the end.
     assert pipeline_main([f"--config={config}", "--stop_after=train"]) == 0
     state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     assert list(state["stages"]) == ["extract", "train"]
+    # Under time_budget, training got what extraction and the evaluation's estimate left.
+    train_yaml = yaml.safe_load((Path(state["stages"]["train"]["dir"]) / "stage.yaml").read_text())
+    extract_s = state["stages"]["extract"]["seconds"]
+    expected = 3600 - 1.9 * extract_s - TRAIN_STARTUP_S
+    assert abs(state["budget"]["train_max_time_s"] - expected) <= 1
+    d, h, m, s = (int(x) for x in train_yaml["trainer"]["max_time"].split(":"))
+    assert d * 86400 + h * 3600 + m * 60 + s == state["budget"]["train_max_time_s"]
     assert pipeline_main([f"--config={config}"]) == 0
     state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     status = {s: e["status"] for s, e in state["stages"].items()}
@@ -72,6 +79,49 @@ def test_content_addresses_follow_upstream_changes(tmp_path):
     c = Plan(PipelineConfig(model="m", output=str(tmp_path), extract={"data": ["a"]},
                             eval={"k": [3]}))  # fmt: skip
     assert c.dirs["train"] == a.dirs["train"] and c.dirs["eval"] != a.dirs["eval"]
+
+
+def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    manifest = {"layer_ids": [1, 2], "shards": [{"sha256": "aa"}, {"sha256": "bb"}],
+                "config": {"seed": 0}}  # fmt: skip
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    first = Plan(PipelineConfig(output=str(tmp_path), data=str(data))).dirs["train"]
+    manifest["config"]["new_option"] = None  # an up-to-date extract rewrote the manifest
+    (data / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    assert Plan(PipelineConfig(output=str(tmp_path), data=str(data))).dirs["train"] == first
+    manifest["shards"][1]["sha256"] = "cc"  # different data: a different train stage
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    assert Plan(PipelineConfig(output=str(tmp_path), data=str(data))).dirs["train"] != first
+
+
+def test_time_budget_trains_for_what_extraction_and_evaluation_leave(tmp_path):
+    cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:19:00", eval_per_extract=0.9)
+    fast, info = train_time(cfg, extract_seconds=300.0)
+    assert fast == "00:00:09:00" and info["eval_estimate_s"] == 270.0  # 1140-300-270-30
+    slow, info = train_time(cfg, extract_seconds=450.0)
+    assert slow == "00:00:04:15" and info["train_max_time_s"] == 255.0
+    with pytest.raises(SystemExit, match="time_budget='00:00:19:00'.*leaving -?\\d+ s to train"):
+        train_time(cfg, extract_seconds=600.0)
+
+    plan = Plan(cfg)
+    plan.train_max_time = slow  # what run() sets before the train stage
+    plan.stage_args("train")
+    written = yaml.safe_load((plan.dirs["train"] / "stage.yaml").read_text())
+    assert written["trainer"]["max_time"] == "00:00:04:15"
+    # The budget is part of the train stage's address; extraction is shared.
+    other = Plan(PipelineConfig(output=str(tmp_path)))
+    assert other.dirs["extract"] == plan.dirs["extract"]
+    assert other.dirs["train"] != plan.dirs["train"]
+
+
+def test_time_budget_errors_name_the_option(tmp_path):
+    with pytest.raises(SystemExit, match="time_budget='19 minutes': expected DD:HH:MM:SS"):
+        Plan(PipelineConfig(output=str(tmp_path), time_budget="19 minutes"))
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit, match="time_budget needs the extract stage.*data: is given"):
+        Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", data=str(tmp_path)))
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

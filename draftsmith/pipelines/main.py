@@ -39,6 +39,7 @@ from draftsmith.extract.store import write_json_atomic
 
 STAGES = ("extract", "train", "export", "eval")
 DONE = ".done.json"
+TRAIN_STARTUP_S = 30.0  # train-stage seconds outside trainer.max_time: imports, setup, last save
 
 
 @dataclass
@@ -60,6 +61,16 @@ class PipelineConfig:
     """`draftsmith export` options: num_speculative_tokens, dtype."""
     eval: dict[str, Any] = field(default_factory=dict)
     """`draftsmith eval` options (configs/eval/*.yaml); model, head and output are filled in."""
+    time_budget: str | None = None
+    """Wall-clock budget of the whole run, "DD:HH:MM:SS" like trainer.max_time. When set,
+    the train stage's trainer.max_time becomes what is left of it after extraction, less
+    the evaluation's expected seconds (eval_per_extract x the extract stage's seconds) and
+    TRAIN_STARTUP_S: a slower machine trains for less instead of overrunning, a faster
+    one trains longer. Needs the extract stage (not ``data:``)."""
+    eval_per_extract: float = 0.9
+    """Expected eval-stage seconds per extract-stage second under time_budget. Both stages
+    are vLLM generation on the same machine, so their ratio holds across machine speeds
+    for one config; measure it from pipeline.json (the demo: 0.83 and 0.85)."""
     stop_after: Literal["extract", "train", "export", "eval"] = "eval"
     """Last stage to run."""
     dry_run: bool = False
@@ -71,6 +82,19 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def dataset_address(manifest_path: Path) -> str:
+    """Content address of an extracted dataset: its tapped layers and shard checksums.
+
+    Not the manifest's bytes: re-running an up-to-date extraction rewrites the manifest
+    (with any config fields a newer draftsmith added), and that must not orphan the runs
+    trained on the same shards."""
+    manifest = json.loads(manifest_path.read_text())
+    sums = [shard.get("sha256") for shard in manifest.get("shards", [])]
+    if not sums or None in sums:  # no checksums to go by: the manifest is all we have
+        return hashlib.sha256(manifest_path.read_bytes()).hexdigest()[:12]
+    return digest("data", manifest.get("layer_ids"), sums)
+
+
 class Plan:
     """Stage directories and the arguments each stage's ``main`` receives."""
 
@@ -80,10 +104,19 @@ class Plan:
             manifest = Path(cfg.data) / "manifest.json"
             if not manifest.is_file():
                 raise SystemExit(f"pipeline: data: {cfg.data} has no manifest.json; extract first")
-            h_extract = hashlib.sha256(manifest.read_bytes()).hexdigest()[:12]
+            h_extract = dataset_address(manifest)
         else:
             h_extract = digest("extract", cfg.model, cfg.extract)
-        h_train = digest("train", h_extract, cfg.train)
+        if cfg.time_budget:
+            seconds_of(cfg.time_budget)  # a malformed budget fails before anything runs
+        if cfg.time_budget and cfg.data:
+            raise SystemExit(
+                "pipeline: time_budget needs the extract stage (its seconds estimate the "
+                "evaluation's), but data: is given; set train.trainer.max_time instead"
+            )
+        budget = [cfg.time_budget, cfg.eval_per_extract] if cfg.time_budget else []
+        h_train = digest("train", h_extract, cfg.train, *budget)
+        self.train_max_time: str | None = None  # set by run() under time_budget
         h_export = digest("export", h_train, cfg.export)
         h_eval = digest("eval", h_export, cfg.model, cfg.eval)
         self.hashes = dict(extract=h_extract, train=h_train, export=h_export, eval=h_eval)
@@ -113,6 +146,8 @@ class Plan:
                 },
             )
             section["trainer"]["logger"] = _loggers(section["trainer"].get("logger"), d)
+            if self.train_max_time:
+                section["trainer"]["max_time"] = self.train_max_time
         elif stage == "export":
             section = {**cfg.export, "checkpoint": str(self.checkpoint()), "output": str(d)}
         else:
@@ -125,6 +160,35 @@ class Plan:
             last = d / "checkpoints" / "last.ckpt"
             return [*args, f"--ckpt_path={last}"] if last.is_file() else args
         return [f"--config={stage_yaml}"]
+
+
+def seconds_of(duration: str) -> float:
+    """Seconds of "DD:HH:MM:SS" (leading fields optional: "MM:SS", "HH:MM:SS")."""
+    try:
+        parts = [float(p) for p in duration.split(":")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 4 or any(p < 0 for p in parts):
+        raise SystemExit(f"pipeline: time_budget={duration!r}: expected DD:HH:MM:SS")
+    return sum(p * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400), strict=False))
+
+
+def train_time(cfg: PipelineConfig, extract_seconds: float) -> tuple[str, dict[str, float]]:
+    """trainer.max_time under ``cfg.time_budget``, and the accounting behind it."""
+    budget = seconds_of(cfg.time_budget or "")
+    eval_s = cfg.eval_per_extract * extract_seconds
+    left = int(budget - extract_seconds - eval_s - TRAIN_STARTUP_S)
+    if left < 60:
+        raise SystemExit(
+            f"pipeline: time_budget={cfg.time_budget!r}: extraction took "
+            f"{extract_seconds:.0f} s and the evaluation should take {eval_s:.0f} s, leaving "
+            f"{left} s to train (< 60); raise time_budget or shrink extract.data / eval.limit"
+        )
+    d, rest = divmod(left, 86400)
+    h, rest = divmod(rest, 3600)
+    max_time = f"{d:02d}:{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
+    plan = {"budget_s": budget, "extract_s": extract_seconds, "eval_estimate_s": eval_s}
+    return max_time, {**plan, "train_max_time_s": float(left)}
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -207,6 +271,10 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             print(f"pipeline: {stage} is up to date ({d})")
             write_json_atomic(state_file, state)
             continue
+        if stage == "train" and cfg.time_budget:
+            extract_s = state["stages"]["extract"]["seconds"]
+            plan.train_max_time, state["budget"] = train_time(cfg, extract_s)
+            print(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
         print(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
         code = stage_main(stage)(plan.stage_args(stage))
