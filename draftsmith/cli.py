@@ -4,50 +4,50 @@ draftsmith extract --config configs/extract/smollm2.yaml
 draftsmith train fit --config configs/train/smollm2.yaml
 draftsmith export --checkpoint CKPT --output DIR
 draftsmith eval --config configs/eval/smollm2.yaml --head DIR
-draftsmith bench-extract --help
+draftsmith pipeline --config configs/pipelines/smollm2.yaml --verbose
+
+``--verbose`` (anywhere, or ``DRAFTSMITH_VERBOSE=1``) shows vLLM's and Lightning's logs
+live instead of writing them to each stage's log file.
 """
 
 from __future__ import annotations
 
-import importlib
+import os
 import sys
 
-STAGES = {
-    "extract": ("draftsmith.extract.main", "capture target hidden states into a dataset"),
-    "train": ("draftsmith.train.main", "train a draft head (LightningCLI: fit, validate)"),
-    "export": ("draftsmith.train.checkpoint", "write a trained head as a directory vLLM serves"),
-    "eval": ("draftsmith.evaluate.main", "measure a head's acceptance and speed in vLLM"),
-    "pipeline": ("draftsmith.pipelines.main", "extract -> train -> export -> eval, resumable"),
-    "study": ("draftsmith.pipelines.study", "vary one knob at a time, measure each head in vLLM"),
-    "bench-train": ("draftsmith.train.bench", "time training steps of a head (tokens/s, memory)"),
-    "bench-extract": (
-        "draftsmith.extract.bench",
-        "time extraction against plain generation and HF",
-    ),
-}
+from draftsmith.console import VERBOSE_ENV
+from draftsmith.stages import COMMANDS
 
 
 def usage() -> str:
-    width = max(map(len, STAGES))
-    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, help_) in STAGES.items())
-    return f"usage: draftsmith <command> [--config FILE] [options]\n\ncommands:\n{rows}\n"
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {cmd.help}" for name, cmd in COMMANDS.items())
+    return (
+        f"usage: draftsmith <command> [--config FILE] [options] [--verbose]\n\n"
+        f"commands:\n{rows}\n\n"
+        f"`draftsmith <command> --help` lists a command's options; --verbose shows vLLM's\n"
+        f"and Lightning's logs live (by default each stage writes them to a .log file).\n"
+    )
 
 
 def main(args: list[str] | None = None) -> int:
     from_argv = args is None
-    args = sys.argv[1:] if from_argv else args
+    args = sys.argv[1:] if from_argv else list(args)
+    if "--verbose" in args:
+        args.remove("--verbose")
+        os.environ[VERBOSE_ENV] = "1"
     if not args or args[0] in ("-h", "--help"):
         print(usage())
         return 0
     name, rest = args[0], args[1:]
-    if name not in STAGES:
+    if name not in COMMANDS:
         print(f"draftsmith: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(STAGES[name][0])
+    stage_main = COMMANDS[name].main()
     if from_argv:  # the stage reads sys.argv itself (LightningCLI insists on one source)
         sys.argv = [f"draftsmith {name}", *rest]
-        return module.main() or 0
-    return module.main(rest) or 0
+        return stage_main() or 0
+    return stage_main(rest) or 0
 
 
 if __name__ == "__main__":

@@ -16,8 +16,11 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import DraftsmithError
 
 # Architectures whose vLLM implementation exposes auxiliary hidden states
 # (SupportsEagle3) and therefore works with `extract_hidden_states` and EAGLE-3 heads.
@@ -37,7 +40,7 @@ EMBEDDED = {
 EMBEDDED["smollm2-135m-instruct"] = EMBEDDED["smollm2-135m"]
 
 
-class TargetError(ValueError):
+class TargetError(DraftsmithError):
     """The target model cannot be used; the message says which option and how to fix it."""
 
 
@@ -46,12 +49,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str | None) -> str:
     """Turn `model:` into something vLLM and transformers load: a local directory or hub id.
 
     Embedded short names are materialised on first use; existing local paths are
     returned absolute; anything else is passed through as a hub id.
     """
+    if not name:
+        raise TargetError(
+            f"model: not given; pass --model with a Hugging Face model directory, a hub id, "
+            f"or one of {sorted(EMBEDDED)}"
+        )
     key = name.lower()
     if key in EMBEDDED:
         return str(materialise_embedded(key))
@@ -129,13 +137,25 @@ class TargetInfo:
     vocab_size: int
     config_sha256: str
     max_position_embeddings: int | None = None
+    config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """The whole ``config.json`` (multimodal configs keep the LM's under ``text_config``)."""
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's config: ``text_config`` when there is one, else the whole."""
+        return text_config(self.config)
 
     @property
     def supports_eagle3(self) -> bool:
         return self.architecture in EAGLE3_ARCHITECTURES
 
 
-def read_target(model: str) -> TargetInfo:
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a ``config.json`` (multimodal targets nest it)."""
+    return config.get("text_config") or config
+
+
+def read_target(model: str | None) -> TargetInfo:
     """Resolve `model` and read its facts; hub ids are read through transformers."""
     path = resolve_model(model)
     config_file = Path(path) / "config.json"
@@ -153,7 +173,7 @@ def read_target(model: str) -> TargetInfo:
                 "give a local model directory or a reachable hub id."
             ) from err
         raw = json.dumps(config, sort_keys=True).encode()
-    text = config.get("text_config") or config
+    text = text_config(config)
     archs = config.get("architectures") or ["?"]
     try:
         return TargetInfo(
@@ -164,6 +184,7 @@ def read_target(model: str) -> TargetInfo:
             vocab_size=int(text["vocab_size"]),
             config_sha256=hashlib.sha256(raw).hexdigest(),
             max_position_embeddings=text.get("max_position_embeddings"),
+            config=config,
         )
     except KeyError as err:
         raise TargetError(

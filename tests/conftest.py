@@ -181,10 +181,11 @@ def build_hf_dataset(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.extract.manifest import target_entry
-    from draftsmith.extract.store import write_json_atomic, write_shard
-    from draftsmith.extract.template import render_prompt
+    from draftsmith.extract.store import write_shard
     from draftsmith.extract.verify import reference_states
+    from draftsmith.files import write_json_atomic
     from draftsmith.targets import read_target
+    from draftsmith.template import render_prompt
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -226,6 +227,12 @@ def build_hf_dataset(
     }
     write_json_atomic(out / "manifest.json", manifest)
     return out
+
+
+@pytest.fixture(scope="session")
+def make_hf_dataset():
+    """Builder of datasets computed with transformers: see :func:`build_hf_dataset`."""
+    return build_hf_dataset
 
 
 @pytest.fixture(scope="session")

@@ -93,8 +93,7 @@ def test_train_configs_parse_and_validate(path, capsys):
 
 
 def test_cpu_runtime_env_fills_defaults_and_keeps_the_users(tmp_path, monkeypatch):
-    from draftsmith.extract.config import EngineOptions
-    from draftsmith.extract.engine import cpu_runtime_env
+    from draftsmith.engine import EngineOptions, cpu_runtime_env
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").touch()

@@ -364,3 +364,30 @@ def test_draft_vocab_coverage_counts_tokens_the_head_can_draft(tmp_path):
     results["runs"][-1]["draft_vocab_coverage"] = cover
     text = markdown(results, [])
     assert "draft vocabulary (3 ids) holds 80.0% of the target's 5 greedy output tokens" in text
+
+
+def test_report_names_each_methods_fastest_k(tmp_path):
+    results = make_results()
+    text = write_report(results, tmp_path, wandb=False).read_text(encoding="utf-8")
+    # mt_bench: ngram is fastest at k=3 (90 s), the head at k=3 (60 s); derived k=2 is untimed.
+    assert (
+        "Best k by tokens/s: ngram k=3 133.3 tok/s (1.11x none), eagle3 k=3 200.0 tok/s "
+        "(1.67x none); none 120.0 tok/s." in text
+    )
+    slow_k3 = [r for r in results["runs"] if not (r["method"] == "eagle3" and r["k"] == 3)]
+    text = write_report({**results, "runs": slow_k3}, tmp_path, wandb=False).read_text()
+    assert "eagle3 k=1 150.0 tok/s (1.25x none)" in text  # k=3 gone: k=1 is the best left
+
+
+def test_one_measured_k_draws_bars_not_a_lone_point(tmp_path, monkeypatch):
+    from draftsmith.evaluate import report
+
+    results = make_results()
+    results["runs"] = [r for r in results["runs"] if r["k"] in (None, 3)]
+    drawn = []
+    monkeypatch.setattr(report, "_speedup_bars", lambda ax, *a: drawn.append(a))
+    write_report(results, tmp_path, wandb=False)
+    assert len(drawn) == 1 and set(drawn[0][0]) == {"mt_bench", "humaneval"}
+    drawn.clear()
+    write_report(make_results(), tmp_path, wandb=False)  # k = 1 and 3 measured: a line
+    assert drawn == []

@@ -151,9 +151,11 @@ def test_cli_flags_and_loopback_only():
 def test_stop_process_group_kills_children(tmp_path):
     # A parent that ignores SIGTERM and a child of its own, both in a new session.
     script = "import signal,subprocess,time;signal.signal(signal.SIGTERM,signal.SIG_IGN);"
-    script += "subprocess.Popen(['sleep','600']);time.sleep(600)"
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    time.sleep(1.0)
+    script += "subprocess.Popen(['sleep','600']);print('ready',flush=True);time.sleep(600)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"  # both processes exist from here on
     assert process_group_alive(proc.pid)
     stop_process_group(proc, grace=1.0)
     assert proc.poll() is not None and not process_group_alive(proc.pid)

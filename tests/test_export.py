@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.targets import read_target
 from draftsmith.train.export import export_head, head_config
 from draftsmith.train.heads import from_target_config
 
@@ -57,14 +58,16 @@ def make_head(target_dir: Path, kind: str = "eagle3", seed: int = 0, **options):
     weights = load_file(target_dir / "model.safetensors")
     embed = weights["model.embed_tokens.weight"]
     head.set_embeddings(embed)
-    if kind == "eagle1":
+    if kind == "eagle":
         head.set_lm_head(weights.get("lm_head.weight", embed))
     return head
 
 
 def test_eagle3_config(tmp_path, tiny_model_dir):
     head = make_head(tiny_model_dir, norm_before_residual=True)
-    out = export_head(head, "eagle3", str(tiny_model_dir), tmp_path / "h", layer_ids=[1, 4, 8])
+    out = export_head(
+        head, "eagle3", read_target(str(tiny_model_dir)), tmp_path / "h", layer_ids=[1, 4, 8]
+    )
     config = json.loads((out / "config.json").read_text())
     target = target_config(tiny_model_dir)
     assert config["architectures"] == ["Eagle3LlamaForCausalLM"]
@@ -79,6 +82,7 @@ def test_eagle3_config(tmp_path, tiny_model_dir):
     assert config["rope_parameters"] == {**target["rope_parameters"]}
     assert config["rms_norm_eps"] == target["rms_norm_eps"]
     assert config["norm_before_residual"] is True and config["norm_output"] is False
+    assert config["norm_before_fc"] is False and config["fc_norm"] is False
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "float32"
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 4, 8]
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 4, 8]}
@@ -91,10 +95,11 @@ def test_eagle3_config(tmp_path, tiny_model_dir):
 
 def test_eagle1_config_and_default_layer_ids(tmp_path, tiny_model_dir):
     target = target_config(tiny_model_dir)
-    config = head_config(make_head(tiny_model_dir, "eagle1"), "eagle1", target, None, 5, "t")
+    config = head_config(make_head(tiny_model_dir, "eagle"), "eagle", target, None, 5, "t")
     assert config["architectures"] == ["EagleLlamaForCausalLM"]
     assert config["speculators_model_type"] == "eagle"
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config
+    assert "fc_norm" not in config and "norm_before_fc" not in config
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     # EAGLE-3 without ids: vLLM's default taps (2, N // 2, N - 3) are written out.
     config = head_config(make_head(tiny_model_dir), "eagle3", target, None, 3, "t")
@@ -104,18 +109,20 @@ def test_eagle1_config_and_default_layer_ids(tmp_path, tiny_model_dir):
 def test_bad_layer_ids_and_kind_are_refused(tiny_model_dir):
     target, head = target_config(tiny_model_dir), make_head(tiny_model_dir)
     with pytest.raises(ValueError, match="does not fit a Eagle3Head"):
-        head_config(head, "eagle1", target, None, 3, "t")
+        head_config(head, "eagle", target, None, 3, "t")
     with pytest.raises(ValueError, match="3 target states"):
         head_config(head, "eagle3", target, [2, 4, 5, 8], 3, "t")
     with pytest.raises(ValueError, match="out of range"):
         head_config(head, "eagle3", target, [2, 4, 9], 3, "t")
     with pytest.raises(ValueError, match="tap none"):
-        head_config(make_head(tiny_model_dir, "eagle1"), "eagle1", target, [1, 2, 3], 3, "t")
+        head_config(make_head(tiny_model_dir, "eagle"), "eagle", target, [1, 2, 3], 3, "t")
 
 
 def test_full_vocab_eagle3_tensors(tmp_path, tiny_model_dir):
     head = make_head(tiny_model_dir, num_layers=2)
-    out = export_head(head, "eagle3", str(tiny_model_dir), tmp_path / "h", layer_ids=[2, 4, 5])
+    out = export_head(
+        head, "eagle3", read_target(str(tiny_model_dir)), tmp_path / "h", layer_ids=[2, 4, 5]
+    )
     tensors = load_file(out / "model.safetensors")
     later = {f"layers.1.{k}" for k in [*LAYER, "input_layernorm.weight"]}
     assert set(tensors) == EAGLE3_KEYS | later
@@ -130,7 +137,9 @@ def test_reduced_vocab_eagle3_tensors_in_bfloat16(tmp_path, tiny_model_dir):
     head = make_head(tiny_model_dir, draft_vocab_size=1000)
     ids = torch.randperm(head.vocab_size, generator=torch.Generator().manual_seed(0))[:1000]
     head.set_draft_vocab(ids.sort().values)
-    out = export_head(head, "eagle3", str(tiny_model_dir), tmp_path / "h", dtype=torch.bfloat16)
+    out = export_head(
+        head, "eagle3", read_target(str(tiny_model_dir)), tmp_path / "h", dtype=torch.bfloat16
+    )
     tensors = load_file(out / "model.safetensors")
     assert set(tensors) == EAGLE3_KEYS | {"d2t"}
     assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (1000,)
@@ -141,8 +150,24 @@ def test_reduced_vocab_eagle3_tensors_in_bfloat16(tmp_path, tiny_model_dir):
     assert config["draft_vocab_size"] == 1000 and config["torch_dtype"] == "bfloat16"
 
 
+def test_norms_before_fc_are_exported_under_vllm_names(tmp_path, tiny_model_dir):
+    head = make_head(tiny_model_dir, norm_before_fc=True, fc_norm=True)
+    out = export_head(
+        head, "eagle3", read_target(str(tiny_model_dir)), tmp_path / "h", layer_ids=[2, 4, 5]
+    )
+    tensors = load_file(out / "model.safetensors")
+    norms = {"input_norm.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert set(tensors) == EAGLE3_KEYS | norms
+    assert tensors["input_norm.weight"].shape == (3 * head.hidden_size,)
+    assert tensors["fc_norm.1.weight"].shape == (head.hidden_size,)
+    config = json.loads((out / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["fc_norm"] is True
+
+
 def test_eagle1_tensors_have_no_lm_head(tmp_path, tiny_model_dir):
-    out = export_head(make_head(tiny_model_dir, "eagle1"), "eagle1", str(tiny_model_dir), tmp_path)
+    out = export_head(
+        make_head(tiny_model_dir, "eagle"), "eagle", read_target(str(tiny_model_dir)), tmp_path
+    )
     assert set(load_file(out / "model.safetensors")) == EAGLE1_KEYS
 
 
@@ -151,7 +176,9 @@ def test_model_card_and_atomic_rewrite(tmp_path, tiny_model_dir):
     out = tmp_path / "head"
     out.mkdir()
     (out / "stale.txt").write_text("from an older export")
-    export_head(make_head(tiny_model_dir), "eagle3", str(tiny_model_dir), out, card=card)
+    export_head(
+        make_head(tiny_model_dir), "eagle3", read_target(str(tiny_model_dir)), out, card=card
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no .tmp / .old left
     assert sorted(p.name for p in out.iterdir()) == [
         "README.md",
@@ -178,6 +205,7 @@ for head_dir in sys.argv[1:]:
         draft=s.draft_model_config.model, arch=s.draft_model_config.architectures,
         ids=getattr(hf, "eagle_aux_hidden_state_layer_ids", None),
         nbr=getattr(hf, "norm_before_residual", None), rope=hf.rope_parameters,
+        nbf=getattr(hf, "norm_before_fc", None), fcn=getattr(hf, "fc_norm", None),
         draft_vocab=hf.draft_vocab_size, layers=hf.num_hidden_layers,
     )))
 """
@@ -194,10 +222,16 @@ def test_vllm_reads_the_config_as_a_speculator(tmp_path, tiny_model_dir):
     cfg = target_config(target) | {"rope_parameters": rope}
     (target / "config.json").write_text(json.dumps(cfg))
     torch.manual_seed(0)
-    eagle3 = from_target_config(cfg, "eagle3", norm_before_residual=True, draft_vocab_size=1000)
-    h3 = export_head(eagle3, "eagle3", str(target), tmp_path / "h3", layer_ids=[1, 4, 8])
-    eagle1 = from_target_config(cfg, "eagle1", num_layers=2)
-    h1 = export_head(eagle1, "eagle1", str(target), tmp_path / "h1", num_speculative_tokens=5)
+    eagle3 = from_target_config(
+        cfg, "eagle3", norm_before_residual=True, draft_vocab_size=1000, fc_norm=True
+    )
+    h3 = export_head(
+        eagle3, "eagle3", read_target(str(target)), tmp_path / "h3", layer_ids=[1, 4, 8]
+    )
+    eagle1 = from_target_config(cfg, "eagle", num_layers=2)
+    h1 = export_head(
+        eagle1, "eagle", read_target(str(target)), tmp_path / "h1", num_speculative_tokens=5
+    )
     cmd = [sys.executable, "-c", PARSE_SCRIPT, str(h3), str(h1)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -211,6 +245,8 @@ def test_vllm_reads_the_config_as_a_speculator(tmp_path, tiny_model_dir):
         arch=["Eagle3LlamaForCausalLM"],
         ids=[1, 4, 8],
         nbr=True,
+        nbf=False,
+        fcn=True,
         draft_vocab=1000,
         layers=1,
     )
@@ -222,6 +258,8 @@ def test_vllm_reads_the_config_as_a_speculator(tmp_path, tiny_model_dir):
         arch=["EagleLlamaForCausalLM"],
         ids=None,
         nbr=None,
+        nbf=None,
+        fcn=None,
         draft_vocab=cfg["vocab_size"],
         layers=2,
     )
@@ -279,7 +317,10 @@ def assert_lossless_with_drafts(result: dict, target_only: dict, k: int = 3) -> 
 @pytest.mark.vllm
 def test_eagle1_round_trip_in_vllm(tmp_path, tiny_model_dir, tokenizer, target_only):
     head_dir = export_head(
-        make_head(tiny_model_dir, "eagle1"), "eagle1", str(tiny_model_dir), tmp_path / "h"
+        make_head(tiny_model_dir, "eagle"),
+        "eagle",
+        read_target(str(tiny_model_dir)),
+        tmp_path / "h",
     )
     spec = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3}
     result = run_engine(
@@ -297,7 +338,7 @@ def test_head_dir_alone_serves_target_and_head(tmp_path, tiny_model_dir, tokeniz
     head = make_head(tiny_model_dir, draft_vocab_size=1000, num_layers=2)
     head.set_draft_vocab(torch.arange(1000))
     head_dir = export_head(
-        head, "eagle3", str(tiny_model_dir), tmp_path / "h", num_speculative_tokens=2
+        head, "eagle3", read_target(str(tiny_model_dir)), tmp_path / "h", num_speculative_tokens=2
     )
     result = run_engine(tmp_path / "run", tokenizer, model=str(head_dir))
     assert_lossless_with_drafts(result, target_only, k=2)

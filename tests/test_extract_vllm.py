@@ -9,18 +9,18 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from draftsmith.extract.dataset import open_dataset
-from draftsmith.extract.template import render_conversation
 from draftsmith.extract.verify import verify_dataset
+from draftsmith.template import render_conversation
 
 pytestmark = pytest.mark.vllm
 
@@ -51,14 +51,28 @@ CHATS = [
 ]
 
 
-def extract(args: list[str], wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
+# Runs `draftsmith extract ARGS` but, at the second shard's write, reports "2" on the file
+# descriptor given first and waits there forever (for the test's SIGKILL).
+PAUSE_AT_SECOND_SHARD = """
+import os, signal, sys
+from draftsmith.extract import store
+fd, real, calls = int(sys.argv[1]), store.write_shard, []
+def write_shard(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.write(fd, b"2")
+        while True:
+            signal.pause()
+    return real(*args, **kwargs)
+store.write_shard = write_shard
+from draftsmith.extract.main import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def extract(args: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "draftsmith.extract", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not wait:
-        # Its own process group: a kill takes vLLM's engine processes down with it.
-        return subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -172,20 +186,25 @@ def test_killed_run_resumes_to_the_same_dataset_as_parallel_workers(tmp_path, ti
     extract([*common, f"--output={ref}"])
     assert json.loads((ref / "manifest.json").read_text())["complete"]
 
-    # Killed with SIGKILL once the first shard is finished, then run again.
+    # Killed with SIGKILL while it captures its second shard (the first one finished and
+    # recorded), then run again. The run tells us over a pipe when it got there.
     out = tmp_path / "out"
-    proc = extract([*common, f"--output={out}"], wait=False)
-    deadline = time.monotonic() + 300
-    # The manifest is rewritten (atomically) after each finished shard.
-    while not (out / "manifest.json").exists():
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    ready, signal_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSE_AT_SECOND_SHARD, str(signal_w), *common, f"--output={out}"],
+        pass_fds=(signal_w,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # a kill takes vLLM's engine processes down with it
+    )
+    os.close(signal_w)
+    readable, _, _ = select.select([ready], [], [], 300)
+    assert readable and os.read(ready, 1) == b"2", proc.communicate()[0].decode()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)  # the whole run, as a crash or OOM kill would
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     man = json.loads((out / "manifest.json").read_text())
-    assert not man["complete"] and 1 <= len(man["shards"]) < 4
+    assert not man["complete"] and len(man["shards"]) == 1
     extract([*common, f"--output={out}"])
     man = json.loads((out / "manifest.json").read_text())
     assert man["complete"] and man["num_samples"] == 8

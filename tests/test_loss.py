@@ -1,4 +1,5 @@
-"""Chunked soft cross-entropy: exactness, bounded memory, masks, accuracy, acceptance."""
+"""Chunked draft loss (soft cross-entropy, TV, their blend): exactness, bounded memory,
+masks, accuracy, acceptance."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import torch
 from helpers import LargestTensor
 
 from draftsmith.train.loss import (
+    chunk_objective,
+    objective_weights,
     simulated_acceptance_length,
     step_validity,
     teacher_argmax,
@@ -27,36 +30,88 @@ def inputs(seed: int = 0):
     return states, weight, teacher, teacher_weight, loss_mask, doc
 
 
-def reference_loss(states, weight, teacher, teacher_weight, loss_mask, doc, decay=0.8):
+def dense_objective(logits, p, loss="kl", tv_weight=0.5):
+    """The per-token objective on full logits [..., V], differentiated by autograd."""
+    ce = -(p * logits.log_softmax(-1)).sum(-1)
+    tv = 0.5 * (logits.softmax(-1) - p).abs().sum(-1)
+    return {"kl": ce, "tv": tv, "kl_tv": (1 - tv_weight) * ce + tv_weight * tv}[loss]
+
+
+def reference_loss(
+    states, weight, teacher, teacher_weight, loss_mask, doc, decay=0.8, loss="kl", tv_weight=0.5
+):
     """Plain full-logits implementation of the documented alignment (stream t, step k:
     draft states[k][t] vs teacher row t+k+1, label x_{t+k+2})."""
     total = 0.0
     for k, s in enumerate(states):
         n = T - k - 2
-        logq = (s[:, :n] @ weight.T).log_softmax(-1)  # [B, n, V]
+        logits = s[:, :n] @ weight.T  # [B, n, V]
         p = (teacher[:, k + 1 : k + 1 + n] @ teacher_weight.T).softmax(-1)
-        ce = -(p * logq).sum(-1)  # [B, n]
+        per_token = dense_objective(logits, p, loss, tv_weight)  # [B, n]
         valid = loss_mask[:, k + 2 :] & (doc[:, k + 2 :] == doc[:, :n])
-        total = total + decay**k * (ce * valid).sum() / valid.sum()
+        total = total + decay**k * (per_token * valid).sum() / valid.sum()
     return total
 
 
+@pytest.mark.parametrize("loss", ["kl", "tv", "kl_tv"])
 @pytest.mark.parametrize("teacher_cache", [0, 2**28])
 @pytest.mark.parametrize("chunk_size", [7, 64, 10_000])
-def test_chunked_matches_reference_loss_and_grads(chunk_size: int, teacher_cache: int) -> None:
-    """Same loss and gradients with the teacher computed once per batch or per step."""
+def test_chunked_matches_reference_loss_and_grads(
+    chunk_size: int, teacher_cache: int, loss: str
+) -> None:
+    """Same loss and gradients as autograd on full logits, for every objective, with the
+    teacher computed once per batch or per step."""
     states, weight, teacher, tw, mask, doc = inputs()
     out = ttt_loss(
-        states, weight, teacher, tw, mask, doc, chunk_size=chunk_size, teacher_cache=teacher_cache
-    )
+        states, weight, teacher, tw, mask, doc, chunk_size=chunk_size,
+        teacher_cache=teacher_cache, loss=loss, tv_weight=0.3,
+    )  # fmt: skip
     grads = torch.autograd.grad(out.loss, [*states, weight])
-    ref = reference_loss(states, weight, teacher, tw, mask, doc)
+    ref = reference_loss(states, weight, teacher, tw, mask, doc, loss=loss, tv_weight=0.3)
     ref_grads = torch.autograd.grad(ref, [*states, weight])
     torch.testing.assert_close(out.loss, ref)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r)
     decay = torch.tensor([0.8**k for k in range(K)])
     torch.testing.assert_close(out.loss.detach(), (decay * out.step_loss).sum())
+
+
+def test_tv_gradient_formula_and_kl_unchanged() -> None:
+    """The closed-form TV gradient is autograd's; ``kl`` is still the plain soft CE."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(5, 11, generator=g, dtype=torch.float64).softmax(-1)
+    for loss, weights in (("tv", (0.0, 1.0)), ("kl_tv", (0.75, 0.25)), ("kl", (1.0, 0.0))):
+        assert objective_weights(loss, 0.25) == weights
+        value, grad = chunk_objective(logits.detach(), p, weights, need_grad=True)
+        ref = dense_objective(logits, p, loss, 0.25)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), logits)
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(grad, ref_grad)
+    # kl, explicit or default, is bit for bit the loss and gradient this module always had.
+    states, weight, teacher, tw, mask, doc = inputs()
+    default, kl = (
+        ttt_loss(states, weight, teacher, tw, mask, doc, **kw) for kw in ({}, {"loss": "kl"})
+    )
+    assert torch.equal(default.loss, kl.loss)
+    for a, b in zip(
+        torch.autograd.grad(default.loss, states), torch.autograd.grad(kl.loss, states), strict=True
+    ):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="model.loss: 'ce' is not one of"):
+        objective_weights("ce")
+    with pytest.raises(ValueError, match="model.tv_weight: 1.5"):
+        objective_weights("kl_tv", 1.5)
+
+
+def test_tv_is_zero_for_a_copy_and_at_most_one() -> None:
+    states, weight, teacher, tw, mask, doc = inputs()
+    with torch.no_grad():
+        out = ttt_loss(states, weight, teacher, tw, mask, doc, loss="tv")
+        assert ((out.step_loss > 0) & (out.step_loss <= 1)).all()
+        copy = [torch.roll(teacher, -(k + 1), dims=1) for k in range(K)]
+        perfect = ttt_loss(copy, tw, teacher, tw, mask, doc, loss="tv")
+        torch.testing.assert_close(perfect.step_loss, torch.zeros(K), atol=1e-6, rtol=0)
 
 
 def test_frozen_lm_head_gets_no_gradient() -> None:
@@ -89,7 +144,7 @@ def test_mask_and_documents_are_respected() -> None:
     torch.testing.assert_close(again.loss, out.loss.detach())
 
 
-def _peak(chunk_size: int, rows: int) -> tuple[int, int]:
+def _peak(chunk_size: int, rows: int, loss: str = "kl") -> tuple[int, int]:
     """(largest tensor numel, numel saved for backward) of a loss forward + backward."""
     g = torch.Generator().manual_seed(0)
     states = [torch.randn(1, rows, H, generator=g, requires_grad=True)]
@@ -102,17 +157,19 @@ def _peak(chunk_size: int, rows: int) -> tuple[int, int]:
     ):
         with LargestTensor() as mode:
             out = ttt_loss(
-                states, weight, teacher, tw, mask, doc, chunk_size=chunk_size, teacher_cache=0
-            )
+                states, weight, teacher, tw, mask, doc, chunk_size=chunk_size,
+                teacher_cache=0, loss=loss,
+            )  # fmt: skip
             out.loss.backward()
     return mode.largest, sum(saved)
 
 
-def test_peak_memory_is_bounded_by_the_chunk() -> None:
+@pytest.mark.parametrize("loss", ["kl", "kl_tv"])
+def test_peak_memory_is_bounded_by_the_chunk(loss: str) -> None:
     """No tensor of tokens x vocab is ever built, nor kept for backward, when chunking."""
     rows, chunk = 256, 16
-    largest, saved = _peak(chunk, rows)
-    largest_2x, saved_2x = _peak(chunk, 2 * rows)
+    largest, saved = _peak(chunk, rows, loss)
+    largest_2x, saved_2x = _peak(chunk, 2 * rows, loss)
     # Largest tensors: the weights, [tokens, hidden] inputs/grads, one [chunk, vocab] block.
     for n, big in ((rows, largest), (2 * rows, largest_2x)):
         assert big == max(VD * H, VD * HT, n * H, chunk * VD) < n * VD / 2

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from conftest import build_hf_dataset
-
 from draftsmith.evaluate.main import main
 from draftsmith.evaluate.overlap import find_overlap, ngram_hashes
-from draftsmith.extract.sources import SkipLog, load_many
+from draftsmith.sources import SkipLog, load_many
 
 PROMPT = (
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "
@@ -44,12 +42,14 @@ def test_exact_and_near_duplicates_are_caught_unrelated_are_not(tokenizer):
     assert scores["set"][2] == 0.0 and scores["set"][1] < 0.5
 
 
-def test_eval_refuses_a_planted_mt_bench_prompt(capsys, tmp_path, tiny_model_dir, tiny_eagle3_head):
+def test_eval_refuses_a_planted_mt_bench_prompt(
+    capsys, tmp_path, tiny_model_dir, tiny_eagle3_head, make_hf_dataset
+):
     """A training set holding one MT-Bench prompt: eval exits 2 naming dataset, row and sample,
     before any engine starts."""
     rows = load_many(["mt_bench"], require_assistant=False, skips=SkipLog(), limit=3)
     planted = rows[2].messages[0]["content"]
-    data = build_hf_dataset(
+    data = make_hf_dataset(
         tmp_path / "data", tiny_model_dir, ["Say hello.", planted], max_new_tokens=2
     )
     code = main(

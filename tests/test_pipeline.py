@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.pipelines.main import TRAIN_STARTUP_S, PipelineConfig, Plan, train_time
+from draftsmith.pipelines.main import (
+    TRAIN_STARTUP_S,
+    PipelineConfig,
+    PipelineError,
+    Plan,
+    parse_pipeline,
+    train_time,
+)
 from draftsmith.pipelines.main import main as pipeline_main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pipelines"
@@ -34,24 +41,40 @@ def tiny_config(tmp_path: Path, model: Path, **changes) -> Path:
 
 @pytest.mark.vllm
 def test_pipeline_runs_resumes_and_skips_finished_stages(tmp_path, tiny_model_dir, capsys):
-    config = tiny_config(tmp_path, tiny_model_dir, time_budget="00:01:00:00")
+    # A 10-minute budget whose extraction share (0.6 s) ends after the first shard: the
+    # data shrinks to whole shards, training keeps its share. Training validates on a
+    # separate set of prompts the target answers.
+    val_prompts = tmp_path / "val.jsonl"
+    val_prompts.write_text(
+        "".join(json.dumps({"prompt": f"Describe animal number {i}."}) + "\n" for i in range(3))
+    )
+    config = tiny_config(
+        tmp_path,
+        tiny_model_dir,
+        time_budget="00:00:10:00",
+        extract_share=0.001,
+        train_share=0.5,
+        validation={"data": str(val_prompts)},
+    )
     # Stopped after training (as an interruption would), then run to the end.
     assert pipeline_main([f"--config={config}", "--stop_after=train"]) == 0
     state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     assert list(state["stages"]) == ["extract", "train"]
-    # Under time_budget, training got what extraction and the evaluation's estimate left.
+    manifest = json.loads((Path(state["stages"]["extract"]["dir"]) / "manifest.json").read_text())
+    assert manifest["stopped_by"] == "time_limit" and not manifest["complete"]
+    assert len(manifest["shards"]) == 1 and manifest["num_shards_planned"] == 2
+    assert manifest["num_samples"] == 8  # one whole shard of samples_per_shard 8
+    val_dir = Path(state["stages"]["extract"]["dir"]) / "val"
+    assert json.loads((val_dir / "manifest.json").read_text())["num_samples"] == 3
     train_yaml = yaml.safe_load((Path(state["stages"]["train"]["dir"]) / "stage.yaml").read_text())
-    extract_s = state["stages"]["extract"]["seconds"]
-    expected = 3600 - (1 + PipelineConfig.eval_per_extract) * extract_s - TRAIN_STARTUP_S
-    assert abs(state["budget"]["train_max_time_s"] - expected) <= 1
-    d, h, m, s = (int(x) for x in train_yaml["trainer"]["max_time"].split(":"))
-    assert d * 86400 + h * 3600 + m * 60 + s == state["budget"]["train_max_time_s"]
+    assert train_yaml["trainer"]["max_time"] == "00:00:04:30"  # 0.5 x 600 - TRAIN_STARTUP_S
+    assert train_yaml["data"]["val_data"] == str(val_dir)
+    assert state["budget"]["train_max_time_s"] == 300 - TRAIN_STARTUP_S
     assert pipeline_main([f"--config={config}"]) == 0
     state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     status = {s: e["status"] for s, e in state["stages"].items()}
     assert status == {"extract": "skipped", "train": "skipped", "export": "done", "eval": "done"}
     dirs = {s: Path(e["dir"]) for s, e in state["stages"].items()}
-    assert json.loads((dirs["extract"] / "manifest.json").read_text())["num_samples"] == 12
     assert (dirs["train"] / "checkpoints" / "last.ckpt").is_file()
     assert (dirs["export"] / "config.json").is_file()
     results = json.loads((dirs["eval"] / "results.json").read_text())
@@ -96,32 +119,89 @@ def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_p
     assert Plan(PipelineConfig(output=str(tmp_path), data=str(data))).dirs["train"] != first
 
 
-def test_time_budget_trains_for_what_extraction_and_evaluation_leave(tmp_path):
-    cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:19:00", eval_per_extract=0.9)
-    fast, info = train_time(cfg, extract_seconds=300.0)
-    assert fast == "00:00:09:00" and info["eval_estimate_s"] == 270.0  # 1140-300-270-30
-    slow, info = train_time(cfg, extract_seconds=450.0)
-    assert slow == "00:00:04:15" and info["train_max_time_s"] == 255.0
-    with pytest.raises(SystemExit, match="time_budget='00:00:19:00'.*leaving -?\\d+ s to train"):
-        train_time(cfg, extract_seconds=600.0)
+def test_time_budget_gives_training_its_share_whatever_extraction_took(tmp_path):
+    cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:20:00")  # 1200 s, 0.3 / 0.4
+    fast, info = train_time(cfg, extract_seconds=300.0)  # 60 s of extraction's 360 unused
+    assert fast == "00:00:08:30" and info["extract_unused_s"] == 60.0  # 480 + 60 - 30
+    slow, info = train_time(cfg, extract_seconds=500.0)  # overran: training keeps its share
+    assert slow == "00:00:07:30" and info["train_max_time_s"] == 450.0
+    with pytest.raises(PipelineError, match="train_share=0.04 leaves 18 s to train"):
+        train_time(PipelineConfig(time_budget="00:00:20:00", train_share=0.04), 400.0)
 
     plan = Plan(cfg)
+    plan.stage_args("extract")
+    assert yaml.safe_load((plan.dirs["extract"] / "stage.yaml").read_text())["time_limit"] == 360
     plan.train_max_time = slow  # what run() sets before the train stage
     plan.stage_args("train")
     written = yaml.safe_load((plan.dirs["train"] / "stage.yaml").read_text())
-    assert written["trainer"]["max_time"] == "00:00:04:15"
-    # The budget is part of the train stage's address; extraction is shared.
+    assert written["trainer"]["max_time"] == "00:00:07:30"
+    # The budget is part of the extract and train addresses.
     other = Plan(PipelineConfig(output=str(tmp_path)))
-    assert other.dirs["extract"] == plan.dirs["extract"]
+    assert other.dirs["extract"] != plan.dirs["extract"]
     assert other.dirs["train"] != plan.dirs["train"]
 
 
 def test_time_budget_errors_name_the_option(tmp_path):
-    with pytest.raises(SystemExit, match="time_budget='19 minutes': expected DD:HH:MM:SS"):
+    with pytest.raises(PipelineError, match="time_budget='19 minutes': expected DD:HH:MM:SS"):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="19 minutes"))
+    with pytest.raises(PipelineError, match="extract_share=0.7, train_share=0.4: each"):
+        Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", extract_share=0.7))
     (tmp_path / "manifest.json").write_text("{}")
-    with pytest.raises(SystemExit, match="time_budget needs the extract stage.*data: is given"):
+    with pytest.raises(PipelineError, match="time_budget shares the run.*data: skips"):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", data=str(tmp_path)))
+
+
+def test_command_line_overrides_reach_the_stages_and_move_their_addresses(
+    tmp_path, tiny_model_dir, capsys
+):
+    config = tiny_config(tmp_path, tiny_model_dir)
+    base = [f"--config={config}", "--dry_run=true"]
+    assert pipeline_main(base) == 0
+    plain = Plan(parse_pipeline(base))
+    prompts = tmp_path / "other.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name a colour."}) + "\n")
+    # Both spellings, a single source (no list), and a key three levels deep.
+    args = [*base, "--extract.data", str(prompts), "--train.model.lr=0.01",
+            "--train.trainer.max_epochs", "1", "--eval.k=[3]"]  # fmt: skip
+    assert pipeline_main(args) == 0
+    plan = Plan(parse_pipeline(args))
+    stage = {s: yaml.safe_load((plan.dirs[s] / "stage.yaml").read_text()) for s in plan.dirs}
+    assert stage["extract"]["data"] == str(prompts)
+    assert stage["train"]["model"]["lr"] == 0.01 and stage["train"]["trainer"]["max_epochs"] == 1
+    assert stage["train"]["model"]["kind"] == "eagle3"  # the YAML's other keys stay
+    assert stage["eval"]["k"] == [3]
+    assert all(plan.dirs[s] != plain.dirs[s] for s in plan.dirs)
+    # An eval-only override moves the eval stage alone.
+    only_eval = Plan(parse_pipeline([*base, "--eval.max_tokens", "8"]))
+    assert only_eval.dirs["train"] == plain.dirs["train"]
+    assert only_eval.dirs["eval"] != plain.dirs["eval"]
+
+
+def test_validation_section_is_extracted_beside_the_data_and_validates_training(
+    tmp_path, tiny_model_dir, capsys
+):
+    config = tiny_config(tmp_path, tiny_model_dir)
+    base = [f"--config={config}", "--dry_run=true"]
+    args = [*base, "--validation.data", "sharegpt@heldout", "--validation.limit", "4"]
+    assert pipeline_main(args) == 0
+    plan, plain = Plan(parse_pipeline(args)), Plan(parse_pipeline(base))
+    val = yaml.safe_load((plan.dirs["extract"] / "val" / "stage.yaml").read_text())
+    assert val["data"] == "sharegpt@heldout" and val["limit"] == 4
+    assert val["regenerate"] is True  # the extract section's options, the validation's on top
+    train = yaml.safe_load((plan.dirs["train"] / "stage.yaml").read_text())
+    assert train["data"]["val_data"] == str(plan.dirs["extract"] / "val")
+    assert plan.dirs["extract"] != plain.dirs["extract"]
+    given = [*args, f"--data={tmp_path}"]
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(PipelineError, match="validation: extracts a validation set"):
+        Plan(parse_pipeline(given))
+
+
+def test_missing_model_is_one_line_naming_the_option(tmp_path, capsys):
+    args = [f"--config={CONFIGS / 'tiny.yaml'}", f"--output={tmp_path}", "--dry_run=true"]
+    assert pipeline_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("draftsmith pipeline: error: model: not given") and "\n" not in err
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -159,14 +239,17 @@ def test_study_two_point_grid_on_a_given_dataset(tmp_path, tiny_model_dir, tiny_
                     "eval.baselines": [],
                     "eval.lossless": False,
                     "eval.limit": 4,
-                    "eval.max_tokens": 16,
                     "train.trainer.logger": [CSV_LOGGER],  # the simulated acceptance
                 },
                 "points": {"base": {}, "ttt-1": {"train.model.ttt_steps": 1}},
             }
         )
     )
-    assert study_main([f"--config={study}"]) == 0
+    # A command-line override reaches every point (here: the reply length).
+    assert study_main([f"--config={study}", "--eval.max_tokens", "16"]) == 0
+    for name in ("base", "ttt-1"):
+        point = yaml.safe_load((tmp_path / "study" / "points" / f"{name}.yaml").read_text())
+        assert point["eval"]["max_tokens"] == 16
     rows = json.loads((tmp_path / "study" / "study.json").read_text())["rows"]
     assert [r["point"] for r in rows] == ["base", "ttt-1"]
     for row in rows:
@@ -187,7 +270,7 @@ def test_study_rejects_an_unknown_section():
 
     merged = apply_overrides({"train": {"a": 1}}, {"train.b.c": 2})
     assert merged == {"train": {"a": 1, "b": {"c": 2}}}
-    with pytest.raises(SystemExit, match="no section 'trian'"):
+    with pytest.raises(PipelineError, match="no section 'trian'"):
         apply_overrides({"train": {}}, {"trian.model.lr": 1.0})
 
 
@@ -196,15 +279,14 @@ def test_study_rejects_an_unknown_section():
 )
 def test_study_configs_parse_and_every_point_resolves(path, tmp_path, capsys):
     """The study's defaults parse, and each point is a pipeline whose stages all resolve."""
-    from draftsmith.config import parse_config
-    from draftsmith.pipelines.study import StudyConfig, apply_overrides
+    from draftsmith.pipelines.study import parse_study, point_configs
 
     assert path.read_text().startswith("# draftsmith study --config configs/study/" + path.name)
-    cfg = parse_config(StudyConfig, ["--config", str(path)], prog="test")
-    base = yaml.safe_load((CONFIGS.parents[1] / cfg.pipeline).read_text())
-    assert cfg.k in apply_overrides(base, cfg.common)["eval"]["k"]
-    for name, overrides in cfg.points.items():
-        point = apply_overrides(apply_overrides(base, cfg.common), overrides)
+    cfg = parse_study(["--config", str(path), "--train.data.val_fraction", "0.07"])
+    for name, point in point_configs(cfg).items():
+        assert cfg.k in point["eval"]["k"]
+        if "train.data.val_fraction" not in cfg.points[name]:  # the CLI's value, not the YAML's
+            assert point["train"]["data"]["val_fraction"] == 0.07, name
         point.pop("data", None)  # the study's dataset is written by `make study`, not here
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump(point))

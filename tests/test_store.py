@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import DataLoader
 
-from draftsmith.extract import store
+from draftsmith import files
 from draftsmith.extract.dataset import DatasetError, open_dataset
 from draftsmith.extract.store import (
     STORAGE_DTYPES,
@@ -20,10 +20,9 @@ from draftsmith.extract.store import (
     bytes_per_token,
     decode_hidden,
     encode_hidden,
-    sha256_file,
-    write_json_atomic,
     write_shard,
 )
+from draftsmith.files import sha256_file, write_json_atomic
 
 LAYER_IDS = [1, 3, 5]
 HIDDEN = 16
@@ -200,7 +199,7 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
             self.f.close()
 
     real_open = open
-    monkeypatch.setattr(store, "open", lambda p, mode: FullDisk(real_open(p, mode)), raising=False)
+    monkeypatch.setattr(files, "open", lambda p, mode: FullDisk(real_open(p, mode)), raising=False)
     with pytest.raises(OSError, match="shard-00000.safetensors") as err:
         write_shard(path, make_samples(3, seed=5), "bfloat16")
     assert err.value.errno == errno.ENOSPC

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from draftsmith.extract.sources import SkipLog, load_conversations
-from draftsmith.extract.template import (
+from draftsmith.sources import SkipLog, load_conversations
+from draftsmith.template import (
     Rendered,
     TemplateError,
     render_conversation,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from draftsmith.extract.dataset import DatasetError, open_dataset
-from draftsmith.extract.store import write_json_atomic, write_shard
+from draftsmith.extract.store import write_shard
+from draftsmith.files import write_json_atomic
 from draftsmith.targets import TargetInfo
 from draftsmith.train.data import (
     PAD_DOC_ID,
@@ -389,3 +391,29 @@ def test_dtype_of_states(dataset):
     batch = next(iter(dm.train_dataloader()))
     assert batch["aux_states"].dtype == torch.bfloat16
     assert batch["teacher_states"].dtype == torch.bfloat16
+
+
+def test_val_data_validates_on_another_dataset_and_trains_on_all_of_data(tmp_path, dataset):
+    path, samples = dataset
+    val_samples = write_dataset(tmp_path / "val", [[4, 6, 3]])
+    dm = EagleDataModule(str(path), row_tokens=32, val_data=str(tmp_path / "val"), num_workers=0)
+    assert dm.train_indices == list(range(len(samples)))  # val_fraction is ignored
+    assert dm.val_indices == [0, 1, 2]
+    docs = [row[row >= 0] for batch in dm.val_dataloader() for row in batch["doc_ids"]]
+    seen = sorted(int(n) for d in docs for n in torch.bincount(d))
+    # the val rows hold the validation samples' tokens, not the training set's
+    assert seen == sorted(len(s["input_ids"]) for s in val_samples)
+    write_dataset(tmp_path / "other", [[4]], layer_ids=[1, 2, NUM_LAYERS])
+    with pytest.raises(DatasetError, match="data.val_data: .*other has layer_ids"):
+        EagleDataModule(str(path), val_data=str(tmp_path / "other"), num_workers=0)
+
+
+def test_a_dataset_stopped_by_its_time_limit_is_read_whole_shards_only(tmp_path):
+    samples = write_dataset(tmp_path / "ds", LENGTHS, complete=False)
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    with pytest.raises(DatasetError, match="extraction is unfinished"):
+        EagleDataModule(str(tmp_path / "ds"), num_workers=0)
+    manifest["stopped_by"] = "time_limit"
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
+    dm = EagleDataModule(str(tmp_path / "ds"), val_fraction=0.0, num_workers=0)
+    assert len(dm.dataset) == len(samples)

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import build_hf_dataset
 
 from draftsmith.cli import main as cli_main
 from draftsmith.train.main import main as train_main
@@ -22,10 +21,10 @@ K = 3
 TOLERANCE = 0.25  # |simulated - vLLM| acceptance length; measured 0.03 (3.84 vs 3.82)
 
 
-def test_overfit_head_reaches_k_plus_one_in_vllm(tmp_path, make_tiny_llama):
+def test_overfit_head_reaches_k_plus_one_in_vllm(tmp_path, make_tiny_llama, make_hf_dataset):
     target = make_tiny_llama(tmp_path / "peaked", seed=1, norm_scale=8.0)
     prompts = [f"Write a short note about topic number {i}." for i in range(16)]
-    data = build_hf_dataset(tmp_path / "data", target, prompts, max_new_tokens=48)
+    data = make_hf_dataset(tmp_path / "data", target, prompts, max_new_tokens=48)
     tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml"
     common = [f"--config={tiny}", f"--data.data={data}", f"--model.ttt_steps={K}"]
     out = tmp_path / "run"

@@ -11,6 +11,7 @@ import json
 import struct
 from pathlib import Path
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.targets import TargetInfo
 
 ARCHITECTURES = {
@@ -20,7 +21,7 @@ ARCHITECTURES = {
 MAX_K = 16
 
 
-class HeadError(ValueError):
+class HeadError(DraftsmithError):
     """The head directory cannot serve this target; the message says why and how to fix it."""
 
 

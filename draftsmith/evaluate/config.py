@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from draftsmith.extract.config import EngineOptions
+from draftsmith.engine import EngineOptions
+from draftsmith.errors import ConfigError
 
 
 @dataclass
@@ -23,9 +24,10 @@ class EvalConfig:
     derive_k: bool = True
     """Run only the largest k and derive smaller k's acceptance from its per-position
     counters (one engine per method instead of one per k; no timing for derived rows)."""
-    datasets: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
-    """Prompt sets: mt_bench, humaneval, JSON/JSONL files, `hf:<id or dir>[@split]`; the first
-    user turn of each row is the prompt."""
+    datasets: list[str] | str = field(default_factory=lambda: ["mt_bench", "humaneval"])
+    """Prompt sets: mt_bench, humaneval, sharegpt@heldout (ShareGPT first turns training on
+    `sharegpt` never sees), JSON/JSONL files, `hf:<id or dir>[@split]`; the first user turn
+    of each row is the prompt."""
     limit: int | None = None
     """Use at most this many prompts per dataset."""
     temperatures: list[float] = field(default_factory=lambda: [0.0])
@@ -62,3 +64,8 @@ class EvalConfig:
     """Sampling seed of the engine."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """vLLM engine options (CUDA graphs stay on by default on GPU, eager on CPU)."""
+
+    def __post_init__(self) -> None:
+        self.datasets = [self.datasets] if isinstance(self.datasets, str) else self.datasets
+        if not self.datasets:
+            raise ConfigError("datasets: [] names no prompt set; give one, e.g. mt_bench")

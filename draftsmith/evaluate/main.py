@@ -8,6 +8,8 @@ every method; results.json, report.md and plots go to ``--output``.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -16,17 +18,17 @@ from pathlib import Path
 
 from draftsmith import __version__
 from draftsmith.config import parse_config, to_dict
+from draftsmith.console import progress, say, stage_log
+from draftsmith.errors import exit_code
 from draftsmith.evaluate.checks import HeadError, check_head, check_k
 from draftsmith.evaluate.config import EvalConfig
-from draftsmith.evaluate.overlap import OverlapError
-from draftsmith.extract.dataset import DatasetError
-from draftsmith.extract.sources import DataError, SkipLog, load_many
-from draftsmith.targets import TargetError, read_target
+from draftsmith.sources import DataError, SkipLog, load_many
+from draftsmith.targets import read_target
 
 
 def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
     """Per dataset: sample ids, chat messages (system + first user turn) and prompt ids."""
-    from draftsmith.extract.template import render_prompt
+    from draftsmith.template import render_prompt
 
     ids, chats, tokens = {}, {}, {}
     for spec in cfg.datasets:
@@ -44,7 +46,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
 
 
 def device_name() -> str:
-    from draftsmith.extract.engine import on_cpu
+    from draftsmith.engine import on_cpu
 
     if on_cpu():
         return f"cpu ({os.cpu_count()} cores)"
@@ -57,10 +59,14 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     """Run every method, derive, compare; return results.json's dict and every generation."""
     from transformers import AutoTokenizer
 
+    from draftsmith.engine import engine_kwargs
     from draftsmith.evaluate import runs
-    from draftsmith.extract.engine import engine_kwargs
 
     ks = check_k(cfg.k)
+    if "suffix" in cfg.baselines and importlib.util.find_spec("arctic_inference") is None:
+        say("eval: suffix baseline skipped: it needs the arctic-inference package (make setup "
+            "builds it; see docs/benchmarks.md)")  # fmt: skip
+        cfg = dataclasses.replace(cfg, baselines=[b for b in cfg.baselines if b != "suffix"])
     if cfg.concurrency < 1:
         raise HeadError(f"concurrency: {cfg.concurrency}; give at least 1.")
     target = read_target(cfg.model)
@@ -75,14 +81,18 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
 
         user_ids = user_turn_ids(tokenizer, chats, sample_ids)
         overlap = check_overlap(cfg.train_data, user_ids, cfg.overlap_ngram, cfg.overlap_threshold)
-        print(f"eval: no prompt overlaps {cfg.train_data}: {overlap['max_containment']}")
+        say(f"eval: no prompt overlaps the training data ({overlap['max_containment']})")
     longest = max(len(p) for ps in prompts.values() for p in ps)
     kwargs = engine_kwargs(target.path, cfg.engine, longest + cfg.max_tokens + 8)
     kwargs.pop("model")
 
     records, outputs = [], {}
-    for method in runs.plan_methods(cfg, ks):
-        print(f"eval: {method.name}" + (f" k={method.k}" if method.k else ""), flush=True)
+    methods = runs.plan_methods(cfg, ks)
+    n_prompts = sum(map(len, prompts.values()))
+    say(f"eval: {len(methods)} engines x {n_prompts} prompts ({', '.join(prompts)})")
+    bar = progress(len(methods), "eval", unit="engine")
+    for method in methods:
+        bar.set_postfix_str(method.name + (f" k={method.k}" if method.k else ""))
         if cfg.mode == "server":
             from draftsmith.evaluate.online import server_runs
 
@@ -92,6 +102,8 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         records += recs
         for key, value in outs.items():
             outputs[(method, *key)] = value
+        bar.update(1)
+    bar.close()
 
     if cfg.lossless:
         for rec in records:
@@ -136,24 +148,28 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
 
 def main(args: list[str] | None = None) -> int:
     cfg = parse_config(EvalConfig, args, prog="draftsmith eval")
-    try:
-        results, generations = evaluate(cfg)
-    except (HeadError, DataError, TargetError, OverlapError, DatasetError) as err:
-        print(f"draftsmith eval: error: {err}", file=sys.stderr)
-        return 2
+    return exit_code("draftsmith eval", lambda: run_stage(cfg))
+
+
+def run_stage(cfg: EvalConfig) -> int:
     from draftsmith.evaluate.report import summary_table, write_report
 
     out = Path(cfg.output)
+    with stage_log(out / "eval.log") as log:
+        results, generations = evaluate(cfg)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     with (out / "generations.jsonl").open("w") as f:
         f.writelines(json.dumps(g) + "\n" for g in generations)
     report = write_report(results, out, wandb=cfg.wandb)
-    print(summary_table(results))
-    print(f"results: {out / 'results.json'}; report: {report}")
+    say(summary_table(results))
+    plots = ", ".join(sorted(p.name for p in out.glob("*.png")))
+    say(f"eval: report {report}; results {out / 'results.json'}; plots {plots or 'none'}")
+    if log:
+        say(f"eval: vLLM's log: {log}")
     bad = [r for r in results["runs"] if r["lossless"] and r["lossless"]["mismatches"]]
     if bad:
-        print(f"eval: {len(bad)} run(s) changed greedy outputs: see {report}", file=sys.stderr)
+        say(f"eval: {len(bad)} run(s) changed greedy outputs: see {report}")
         return 1
     return 0
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from draftsmith.errors import DraftsmithError
+
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 
 
-class OverlapError(ValueError):
+class OverlapError(DraftsmithError):
     """Evaluation prompts found in the training data."""
 
 
@@ -116,7 +118,7 @@ def check_overlap(
     threshold: float,
 ) -> dict:
     """Raise ``OverlapError`` naming every overlapping prompt; else a summary for results.json."""
-    from draftsmith.extract.dataset import open_dataset
+    from draftsmith.extract import open_dataset
 
     dataset = open_dataset(train_data)
     matches, scores = find_overlap(eval_prompts, dataset.token_ids(), ngram, threshold)

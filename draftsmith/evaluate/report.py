@@ -86,6 +86,26 @@ def footnotes(runs: list[dict]) -> list[str]:
     ]
 
 
+def best_k(runs: list[dict]) -> str | None:
+    """One line: each speculative method at the k that gave it the most tokens/s (timed
+    runs only; derived k's have no timing), beside no speculation."""
+    best: dict[str, dict] = {}
+    for r in runs:
+        if r["method"] != "none" and r.get("output_tok_s"):
+            if r["method"] not in best or r["output_tok_s"] > best[r["method"]]["output_tok_s"]:
+                best[r["method"]] = r
+    if not best:
+        return None
+    none = next((r for r in runs if r["method"] == "none" and r.get("output_tok_s")), None)
+    parts = [
+        f"{m} k={r['k']} {r['output_tok_s']:.1f} tok/s"
+        + (f" ({r['speedup_vs_none']:.2f}x none)" if r.get("speedup_vs_none") else "")
+        for m, r in best.items()
+    ]
+    base = f"; none {none['output_tok_s']:.1f} tok/s" if none else ""
+    return "Best k by tokens/s: " + ", ".join(parts) + base + "."
+
+
 def summary_table(results: dict) -> str:
     """A compact plain-text table for the terminal: one row per run."""
     header = ["dataset", "temp", "method", "k", "acc len", "tok/step", "per position", "tok/s"]
@@ -131,6 +151,8 @@ def markdown(results: dict, plots: list[str]) -> str:
         lines += ["| " + " | ".join(cells(r)) + " |" for r in runs]
         notes = footnotes(runs)
         lines += ["", *notes] if notes else []
+        fastest = best_k(runs)
+        lines += ["", fastest] if fastest else []
         cover = next(
             (r["draft_vocab_coverage"] for r in runs if r.get("draft_vocab_coverage")), None
         )
@@ -229,6 +251,11 @@ def plot_speedup_vs_k(runs: list[dict], method: str, title: str, path: Path) -> 
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speculation")
+    if all(len(rs) == 1 for rs in head.values()):  # one measured k: bars, not a lone point
+        _speedup_bars(ax, head, ngram, method)
+        ax.set_title(f"{method}: speedup vs no speculation {title}")
+        fig.savefig(path, dpi=120)
+        return True
     for i, (dataset, rs) in enumerate(head.items()):
         ys = [r["speedup_vs_none"] for r in rs]
         ax.plot([r["k"] for r in rs], ys, "o-", color=f"C{i}", label=dataset)
@@ -243,6 +270,31 @@ def plot_speedup_vs_k(runs: list[dict], method: str, title: str, path: Path) -> 
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
     return True
+
+
+def _speedup_bars(ax, head: dict, ngram: dict, method: str) -> None:
+    """Per dataset: the head's speedup at its one k beside ngram's best."""
+    datasets = list(head)
+    rows = [(f"{method}", [head[d][0] for d in datasets])]
+    if ngram:
+        best = [max(ngram[d], key=lambda r: r["speedup_vs_none"]) if d in ngram else None
+                for d in datasets]  # fmt: skip
+        rows.append(("ngram (best k)", best))
+    width = 0.8 / len(rows)
+    for i, (label, rs) in enumerate(rows):
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j, r in enumerate(rs) if r]
+        ys = [r["speedup_vs_none"] for r in rs if r]
+        bars = ax.bar(xs, ys, width, label=label, color=f"C{i}")
+        ax.bar_label(
+            bars,
+            labels=[
+                f"{fmt(y, 2)} (k={r['k']})" for y, r in zip(ys, [r for r in rs if r], strict=True)
+            ],
+            fontsize=7,
+        )
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set(ylabel="output tok/s ÷ no speculation")
+    ax.legend(fontsize=8)
 
 
 PLOTS = {  # file name: plot(runs, method, title suffix, path) -> written

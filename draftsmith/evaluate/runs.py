@@ -110,7 +110,8 @@ def derive_smaller_k(record: dict, k: int) -> dict:
         output_tok_s=None,
         counters={
             "num_drafts": drafts,
-            "num_draft_tokens": drafts * k,
+            # suffix decoding drafts up to k tokens, not k: its draft-token count is unknown
+            "num_draft_tokens": None if record["method"] == "suffix" else drafts * k,
             "num_accepted_tokens": accepted,
             "accepted_per_pos": per_pos,
         },
@@ -157,7 +158,7 @@ def offline_runs(
     """`measure` with an in-process `vllm.LLM` for this method."""
     from vllm import LLM, SamplingParams
 
-    from draftsmith.extract.engine import close_engine
+    from draftsmith.engine import close_engine
 
     kwargs = dict(engine_kwargs, max_num_seqs=cfg.concurrency, seed=cfg.seed)
     spec = method.speculative_config(cfg)

@@ -4,6 +4,6 @@
 extract`` (``draftsmith.extract.main``) writes datasets.
 """
 
-from draftsmith.extract.dataset import HiddenStatesDataset, open_dataset
+from draftsmith.extract.dataset import DatasetError, HiddenStatesDataset, open_dataset
 
-__all__ = ["HiddenStatesDataset", "open_dataset"]
+__all__ = ["DatasetError", "HiddenStatesDataset", "open_dataset"]

@@ -45,7 +45,7 @@ class BenchConfig:
 def _plain_generation(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     from vllm import SamplingParams
 
-    from draftsmith.extract.engine import close_engine, plain_engine
+    from draftsmith.engine import close_engine, plain_engine
     from draftsmith.targets import resolve_model
 
     t0 = time.monotonic()
@@ -109,9 +109,9 @@ def _hf_forward(dataset: str) -> dict:
 def run_bench(cfg: BenchConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from draftsmith.extract.sources import SkipLog, load_many
-    from draftsmith.extract.template import render_prompt
+    from draftsmith.sources import SkipLog, load_many
     from draftsmith.targets import resolve_model
+    from draftsmith.template import render_prompt
 
     out = Path(cfg.output)
     if out.exists():

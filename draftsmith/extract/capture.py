@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.engine import EngineOptions
 from draftsmith.extract.config import ExtractConfig
 from draftsmith.extract.plan import Item
-from draftsmith.extract.sources import SkipLog
-from draftsmith.extract.template import render_prompt
+from draftsmith.sources import SkipLog
+from draftsmith.template import render_prompt
 
 WAIT_SECONDS = 120.0
 
@@ -229,3 +230,34 @@ def clean_staging(staging: Path) -> None:
         for f in staging.iterdir():
             if f.is_file():
                 f.unlink()
+
+
+CONNECTOR = "DraftsmithHiddenStatesConnector"
+CONNECTOR_MODULE = "draftsmith.extract.connector"
+
+
+def capture_engine(
+    model: str, layer_ids: list[int], staging_dir: str, options: EngineOptions, max_len: int
+):
+    """A `vllm.LLM` whose finished requests leave their hidden states in `staging_dir`.
+
+    Every request is captured unless its ``kv_transfer_params`` say ``save: False``.
+    """
+    from vllm import LLM
+
+    from draftsmith.engine import engine_kwargs
+
+    os.makedirs(staging_dir, exist_ok=True)
+    kwargs = engine_kwargs(model, options, max_len)
+    kwargs["speculative_config"] = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+    }
+    kwargs["kv_transfer_config"] = {
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"staging_dir": staging_dir},
+    }
+    return LLM(**kwargs)

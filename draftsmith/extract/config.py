@@ -5,35 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-
-@dataclass
-class EngineOptions:
-    """vLLM engine options passed through to ``vllm.LLM``."""
-
-    tensor_parallel_size: int = 1
-    """GPUs one engine spreads the target over (vLLM tensor parallelism)."""
-    gpu_memory_utilization: float | None = None
-    """Fraction of device memory vLLM may take; null picks 0.3 on CPU, 0.9 on GPU."""
-    max_model_len: int | None = None
-    """Longest sequence the engine accepts; null uses `max_length` + 1."""
-    enforce_eager: bool | None = None
-    """Disable CUDA graphs / compilation; null means eager on CPU, graphs on GPU."""
-    max_num_seqs: int | None = None
-    """Most requests scheduled in one step; null keeps vLLM's default."""
-    max_num_batched_tokens: int | None = None
-    """Token budget of one engine step; null keeps vLLM's default."""
-    model_dtype: str = "auto"
-    """Dtype the target runs in: auto = float32 on CPU (bf16 is slow without AVX-512),
-    bfloat16 on GPU."""
-    cpu_reserved_cores: int | None = 0
-    """CPU build: cores vLLM keeps free of compute threads (``VLLM_CPU_NUM_OF_RESERVED_CPU``).
-    vLLM's own default reserves one, which leaves a 2-core machine one compute core; 0
-    measured 1.63x the batch-64 and 1.37x the single-stream tokens/s here. null = vLLM's."""
-    cpu_preload_iomp: bool = True
-    """CPU build: put the venv's ``libiomp5.so`` in ``LD_PRELOAD`` of vLLM's processes, as
-    vLLM advises (measured: single-stream 28.0 against 24.0 tok/s without it)."""
-    extra: dict = field(default_factory=dict)
-    """Any other `vllm.LLM` keyword arguments, passed as they are."""
+from draftsmith.engine import EngineOptions
+from draftsmith.errors import ConfigError
 
 
 @dataclass
@@ -42,9 +15,11 @@ class ExtractConfig:
 
     model: str = "smollm2-135m"
     """Target: a Hugging Face model directory, a hub id, or an embedded name (smollm2-135m)."""
-    data: list[str] = field(default_factory=lambda: ["self:64"])
+    data: list[str] | str = field(default_factory=lambda: ["self:64"])
     """Sources, in order: JSON/JSONL files (ShareGPT or OpenAI shape), `hf:<id or dir>[@split]`,
-    `mt_bench`, `humaneval`, or `self:N` (N prompts the target writes itself)."""
+    `mt_bench`, `humaneval`, `sharegpt[:full][@train|@heldout]` (ShareGPT first turns, or
+    whole conversations with `:full`; `@heldout` is a fixed 2% slice), or `self:N` (N prompts
+    the target writes itself)."""
     output: str = "outputs/extract"
     """Dataset directory; re-running the same command resumes it."""
     layer_ids: list[int] | None = None
@@ -72,6 +47,11 @@ class ExtractConfig:
     """Data-parallel extraction: total number of worker processes writing this dataset."""
     worker: int = 0
     """Index of this worker in [0, workers); it writes shards k with k % workers == worker."""
+    time_limit: float | None = None
+    """Seconds this run may take, engine starts included (the pipeline's time_budget sets
+    it). No shard starts that would end past it: the shards written are whole, the manifest
+    says ``stopped_by: time_limit``, and training reads them as a dataset. Re-running
+    without the limit resumes the rest. null = no limit."""
     seed: int = 0
     """Seed for self-written prompts and sampled regeneration."""
     verify: int = 0
@@ -82,3 +62,8 @@ class ExtractConfig:
     """Scratch directory for the connector's per-request files; null = /dev/shm when present."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """vLLM engine options."""
+
+    def __post_init__(self) -> None:
+        self.data = [self.data] if isinstance(self.data, str) else list(self.data)
+        if not self.data:
+            raise ConfigError("data: [] names no source; give one, e.g. sharegpt or chats.jsonl")

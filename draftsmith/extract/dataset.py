@@ -24,20 +24,21 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.extract.store import (
     FORMAT,
     SAFETENSORS_DTYPES,
     TORCH_STORAGE_DTYPES,
     decode_hidden,
-    sha256_file,
 )
+from draftsmith.files import sha256_file
 
 FORMAT_VERSIONS = (1,)
 MAX_OPEN_SHARDS = 128  # memory maps kept per process; older ones are dropped (LRU)
 _MAX_HEADER_BYTES = 1 << 28
 
 
-class DatasetError(ValueError):
+class DatasetError(DraftsmithError):
     """A dataset directory that is missing, unfinished, corrupt or of an unknown format."""
 
 
@@ -295,7 +296,8 @@ def _load_manifest(path: Path, allow_incomplete: bool) -> dict[str, Any]:
         raise DatasetError(
             f"{manifest_path}: unknown storage_dtype {manifest.get('storage_dtype')!r}"
         )
-    if not manifest.get("complete", False) and not allow_incomplete:
+    stopped = manifest.get("stopped_by")  # ended on purpose (time_limit): whole shards
+    if not manifest.get("complete", False) and not stopped and not allow_incomplete:
         done = len(manifest.get("shards", []))
         planned = manifest.get("num_shards_planned", "?")
         raise DatasetError(

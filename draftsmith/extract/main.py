@@ -11,16 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 from draftsmith.config import parse_config, to_dict
+from draftsmith.console import progress, say, stage_log
+from draftsmith.errors import ConfigError, exit_code
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.dataset import DatasetError
-from draftsmith.extract.plan import OutputMismatch
-from draftsmith.extract.sources import DataError, SkipLog, load_many
-from draftsmith.extract.template import TemplateError
+from draftsmith.sources import DataError, SkipLog, load_many
 from draftsmith.targets import (
     EAGLE3_ARCHITECTURES,
     TargetError,
@@ -28,10 +26,6 @@ from draftsmith.targets import (
     read_target,
     validate_layer_ids,
 )
-
-
-class ConfigError(ValueError):
-    """An option has a value that cannot work; the message names it and the fix."""
 
 
 def check_config(cfg: ExtractConfig) -> None:
@@ -61,8 +55,10 @@ def run(cfg: ExtractConfig) -> dict:
     from transformers import AutoTokenizer
 
     from draftsmith.extract import capture, manifest, plan
-    from draftsmith.extract.store import write_json_atomic, write_shard
+    from draftsmith.extract.store import write_shard
+    from draftsmith.files import write_json_atomic
 
+    run_started = time.monotonic()
     check_config(cfg)
     target = read_target(cfg.model)
     if not target.supports_eagle3:
@@ -77,7 +73,7 @@ def run(cfg: ExtractConfig) -> dict:
     limit = target.max_position_embeddings
     if limit and cfg.max_length + 1 > limit:
         # The engine needs one position past the longest stored sequence.
-        print(f"max_length: {cfg.max_length} -> {limit - 1} (the target has {limit} positions)")
+        say(f"extract: max_length {cfg.max_length} -> {limit - 1} (the target has {limit})")
         cfg = dataclasses.replace(cfg, max_length=limit - 1)
     output = Path(cfg.output)
     fp = plan.fingerprint(cfg, target, layer_ids)
@@ -106,6 +102,7 @@ def run(cfg: ExtractConfig) -> dict:
                 "so the target answers them."
             )
         count = sum(_self_count(s) for s in self_specs)
+        say(f"extract: the target writes {count} prompts (vLLM, pre-query sampling)")
         convs += write_prompts(writer, tokenizer, count, cfg.seed, output / "prompts.self.jsonl")
     items = plan.plan_items(convs, tokenizer, cfg, skips)
     if not items:
@@ -124,14 +121,18 @@ def run(cfg: ExtractConfig) -> dict:
         written = _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output)
     writer.close()
     engine = _LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
-    from tqdm import tqdm
-
     if todo:
+        say(f"extract: starting vLLM ({target.path}, layers {layer_ids})")
         engine.get()  # start it before the clock: shard times measure capture alone
-    started, tokens = time.monotonic(), 0
-    bar = tqdm(total=len(todo), unit="shard", desc="extract", dynamic_ncols=True)
-    for k in todo:
+    started, tokens, stopped_by = time.monotonic(), 0, None
+    bar = progress(sum(len(shards[k]) for k in todo), "extract", unit="sample")
+    for n_done, k in enumerate(todo):
         shard_start = time.monotonic()
+        per_shard = (shard_start - started) / n_done if n_done else 0.0
+        if n_done and cfg.time_limit and shard_start + per_shard > run_started + cfg.time_limit:
+            stopped_by = "time_limit"  # the next shard would end past the limit
+            say(f"extract: time_limit {cfg.time_limit:.0f} s reached after {n_done} shards")
+            break
         sequences, shard_skips = written.get(k, (None, SkipLog()))
         samples = capture.capture_shard(
             engine.get(),
@@ -153,11 +154,11 @@ def run(cfg: ExtractConfig) -> dict:
         manifest.build_manifest(output, target, layer_ids, config)
         tokens += info.tokens
         rate = tokens / max(time.monotonic() - started, 1e-9)
-        bar.set_postfix(tok_s=f"{rate:,.0f}", samples=info.samples)
-        bar.update(1)
+        bar.set_postfix(tok_s=f"{rate:,.0f}", shard=k)
+        bar.update(len(shards[k]))
     bar.close()
     engine.close()
-    return manifest.build_manifest(output, target, layer_ids, config)
+    return manifest.build_manifest(output, target, layer_ids, config, stopped_by)
 
 
 class _LazyEngine:
@@ -174,23 +175,23 @@ class _LazyEngine:
         self.llm = None
 
     def get(self):
-        from draftsmith.extract import engine
+        from draftsmith import engine
 
         if self.llm is None:
             max_len = self.cfg.max_length + 1
             if self.staging is None:
                 self.llm = engine.plain_engine(self.model, self.cfg.engine, max_len)
             else:
-                from draftsmith.extract.capture import clean_staging
+                from draftsmith.extract.capture import capture_engine, clean_staging
 
                 clean_staging(self.staging)
-                self.llm = engine.capture_engine(
+                self.llm = capture_engine(
                     self.model, self.layer_ids, str(self.staging), self.cfg.engine, max_len
                 )
         return self.llm
 
     def close(self) -> None:
-        from draftsmith.extract.engine import close_engine
+        from draftsmith.engine import close_engine
 
         if self.llm is not None:
             close_engine(self.llm)
@@ -204,7 +205,7 @@ class _LazyEngine:
 def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
     """Sampled replies for the shards to do, written by a plain engine, cached per shard."""
     from draftsmith.extract.capture import write_replies
-    from draftsmith.extract.store import write_json_atomic
+    from draftsmith.files import write_json_atomic
 
     cache = output / "replies"
     written = {}
@@ -244,29 +245,24 @@ def summary(man: dict) -> str:
         f"layers {man['layer_ids']} as {man['storage_dtype']} "
         f"({man['bytes_per_token']:,} bytes/token); skipped {sk['count']} {sk['by_reason']}, "
         f"truncated {sk['truncated']}; complete: {man['complete']}"
+        + (f" (stopped by {man['stopped_by']})" if man.get("stopped_by") else "")
     )
 
 
 def main(args: list[str] | None = None) -> int:
     cfg = parse_config(ExtractConfig, args, prog="draftsmith extract")
-    try:
-        man = run(cfg)
-        print(summary(man))
-        if cfg.verify:
-            from draftsmith.extract.verify import verify_dataset
+    return exit_code("draftsmith extract", lambda: run_stage(cfg))
 
-            report = verify_dataset(cfg.output, cfg.verify, cfg.verify_tolerance)
-            print(report.text())
-            if not report.ok:
-                return 1
-    except (
-        DataError,
-        TargetError,
-        ConfigError,
-        OutputMismatch,
-        TemplateError,
-        DatasetError,
-    ) as err:
-        print(f"draftsmith extract: error: {err}", file=sys.stderr)
-        return 2
+
+def run_stage(cfg: ExtractConfig) -> int:
+    with stage_log(Path(cfg.output) / "extract.log") as log:
+        man = run(cfg)
+    say(summary(man) + (f"\nlog: {log}" if log else ""))
+    if cfg.verify:
+        from draftsmith.extract.verify import verify_dataset
+
+        report = verify_dataset(cfg.output, cfg.verify, cfg.verify_tolerance)
+        say(report.text())
+        if not report.ok:
+            return 1
     return 0

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from draftsmith import __version__
 from draftsmith.extract.plan import PLAN_FILE
-from draftsmith.extract.store import bytes_per_token, write_json_atomic
+from draftsmith.extract.store import bytes_per_token
+from draftsmith.files import write_json_atomic
 from draftsmith.targets import TargetInfo
 
 LAYER_ID_MEANING = (
@@ -68,8 +69,17 @@ def target_entry(target: TargetInfo) -> dict:
     }
 
 
-def build_manifest(output: Path, target: TargetInfo, layer_ids: list[int], config: dict) -> dict:
-    """Assemble the manifest from ``plan.json`` and the shard sidecars; write it atomically."""
+def build_manifest(
+    output: Path,
+    target: TargetInfo,
+    layer_ids: list[int],
+    config: dict,
+    stopped_by: str | None = None,
+) -> dict:
+    """Assemble the manifest from ``plan.json`` and the shard sidecars; write it atomically.
+
+    ``stopped_by`` (e.g. ``"time_limit"``) marks a run that ended on purpose before every
+    planned shard: its whole shards form a dataset that training reads."""
     plan = json.loads((output / PLAN_FILE).read_text())
     shards, skipped_rows = [], list(plan["skipped"]["rows"])
     skipped_count = plan["skipped"]["count"]
@@ -89,6 +99,7 @@ def build_manifest(output: Path, target: TargetInfo, layer_ids: list[int], confi
         "format_version": 1,
         "draftsmith_version": __version__,
         "complete": len(shards) == len(plan["shards"]),
+        "stopped_by": None if len(shards) == len(plan["shards"]) else stopped_by,
         "target": target_entry(target),
         "tokenizer": {"path": target.path, "sha256": tokenizer_sha256(target.path)},
         "layer_ids": list(layer_ids),

@@ -13,11 +13,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.sources import Conversation, DataError, SkipLog
-from draftsmith.extract.store import write_json_atomic
-from draftsmith.extract.template import TemplateError, render_conversation
+from draftsmith.files import write_json_atomic
+from draftsmith.sources import Conversation, DataError, SkipLog
 from draftsmith.targets import TargetInfo
+from draftsmith.template import TemplateError, render_conversation
 
 PLAN_FILE = "plan.json"
 
@@ -36,7 +37,7 @@ CONTENT_KEYS = (
 )
 
 
-class OutputMismatch(ValueError):
+class OutputMismatch(DraftsmithError):
     """The output directory holds a dataset made with other settings."""
 
 

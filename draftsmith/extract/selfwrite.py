@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from draftsmith.extract.sources import Conversation
+from draftsmith.sources import Conversation
 
 _SENTINEL = "\u2063DRAFTSMITH_USER\u2063"
 MIN_CHARS, MAX_CHARS = 12, 1500

@@ -17,15 +17,15 @@ lets the reader map tensors straight out of the file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from draftsmith.files import write_atomic
 
 FORMAT = "draftsmith.hidden_states"
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
@@ -231,7 +231,7 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
                 f.write(data)
                 digest.update(data)
 
-    sha, size = _write_atomic(path, write, what="shard")
+    sha, size = write_atomic(path, write, what="shard")
     return ShardInfo(
         file=path.name,
         samples=len(samples),
@@ -241,61 +241,3 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
         sha256=sha,
         sample_ids=sample_ids,
     )
-
-
-def _write_atomic(path: Path, write: Any, what: str) -> tuple[str, int]:
-    """Run ``write(file, sha256)`` into ``<path>.tmp``, fsync, rename to ``path``.
-
-    Returns ``(sha256 hex, size in bytes)``. On failure the tmp file is removed and no
-    file appears at ``path``; an ``OSError`` is re-raised with a message naming ``path``.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    digest = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as f:
-            write(f, digest)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            reason = exc.strerror or str(exc)
-            raise OSError(exc.errno, f"could not write {what} {path}: {reason}") from exc
-        raise
-    _fsync_dir(path.parent)
-    return digest.hexdigest(), size
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable; a no-op where directories cannot be opened (Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a fsynced tmp file and a rename."""
-    data = (json.dumps(obj, indent=2) + "\n").encode()
-
-    def write(f: BinaryIO, digest: Any) -> None:
-        f.write(data)
-
-    _write_atomic(Path(path), write, what="file")
-
-
-def sha256_file(path: Path | str, chunk_size: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes, read in ``chunk_size`` chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()

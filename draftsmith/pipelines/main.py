@@ -22,8 +22,10 @@ train from ``checkpoints/last.ckpt``. Layout of ``<output>``::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import sys
 import tempfile
@@ -35,11 +37,19 @@ from typing import Any, Literal
 import yaml
 
 from draftsmith.config import parse_config
-from draftsmith.extract.store import write_json_atomic
+from draftsmith.console import say
+from draftsmith.errors import DraftsmithError, exit_code
+from draftsmith.files import write_json_atomic
+from draftsmith.stages import COMMANDS, PIPELINE
 
-STAGES = ("extract", "train", "export", "eval")
+STAGES = PIPELINE
+SECTIONS = (*STAGES, "validation")  # the YAML's sections that are stage configs
 DONE = ".done.json"
 TRAIN_STARTUP_S = 30.0  # train-stage seconds outside trainer.max_time: imports, setup, last save
+
+
+class PipelineError(DraftsmithError):
+    """The pipeline's config cannot work; the message names the option and the fix."""
 
 
 @dataclass
@@ -57,20 +67,28 @@ class PipelineConfig:
     """`draftsmith extract` options (configs/extract/*.yaml); model and output are filled in."""
     train: dict[str, Any] = field(default_factory=dict)
     """`draftsmith train fit` config (configs/train/*.yaml); paths are filled in."""
+    validation: dict[str, Any] = field(default_factory=dict)
+    """`draftsmith extract` options of a separate validation dataset, merged over the
+    extract section, e.g. {data: sharegpt@heldout, limit: 40}: a held-out slice of a broad
+    source answered by the target, so that training's simulated acceptance predicts
+    serving. Written to ``<extract dir>/val`` before the training data (its seconds count
+    in extract_share) and given to training as ``data.val_data``. Empty: training validates
+    on a slice of its own data (train.data.val_fraction)."""
     export: dict[str, Any] = field(default_factory=dict)
     """`draftsmith export` options: num_speculative_tokens, dtype."""
     eval: dict[str, Any] = field(default_factory=dict)
     """`draftsmith eval` options (configs/eval/*.yaml); model, head and output are filled in."""
     time_budget: str | None = None
     """Wall-clock budget of the whole run, "DD:HH:MM:SS" like trainer.max_time. When set,
-    the train stage's trainer.max_time becomes what is left of it after extraction, less
-    the evaluation's expected seconds (eval_per_extract x the extract stage's seconds) and
-    TRAIN_STARTUP_S: a slower machine trains for less instead of overrunning, a faster
-    one trains longer. Needs the extract stage (not ``data:``)."""
-    eval_per_extract: float = 0.9
-    """Expected eval-stage seconds per extract-stage second under time_budget. Both stages
-    are vLLM generation on the same machine, so their ratio holds across machine speeds
-    for one config; measure it from pipeline.json (the demo: 0.83 to 1.04, configured 1.05)."""
+    each stage gets a share: extraction stops starting shards at ``extract_share`` of it
+    (the data shrinks, whole shards), training runs for ``train_share`` of it plus any
+    seconds extraction left unused (fixed whatever the hour: a slow machine gets less
+    data, never less training), and the evaluation has the rest; its cost is bounded by
+    its prompt count (``eval.limit``). Needs the extract stage (not ``data:``)."""
+    extract_share: float = 0.30
+    """Share of time_budget extraction may use (engine starts and prompt writing included)."""
+    train_share: float = 0.40
+    """Share of time_budget training gets at least (trainer.max_time), less TRAIN_STARTUP_S."""
     stop_after: Literal["extract", "train", "export", "eval"] = "eval"
     """Last stage to run."""
     dry_run: bool = False
@@ -100,21 +118,35 @@ class Plan:
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg, out = cfg, Path(cfg.output)
+        if cfg.data and cfg.validation:
+            raise PipelineError(
+                "validation: extracts a validation set in the extract stage, but data: skips "
+                "that stage; set train.data.val_data to a validation dataset instead"
+            )
         if cfg.data:
             manifest = Path(cfg.data) / "manifest.json"
             if not manifest.is_file():
-                raise SystemExit(f"pipeline: data: {cfg.data} has no manifest.json; extract first")
+                raise PipelineError(f"data: {cfg.data} has no manifest.json; extract first")
             h_extract = dataset_address(manifest)
         else:
-            h_extract = digest("extract", cfg.model, cfg.extract)
+            budget = [cfg.time_budget, cfg.extract_share] if cfg.time_budget else []
+            h_extract = digest("extract", cfg.model, cfg.extract, *budget)
+            if cfg.validation:  # the validation set lives in the extract stage's directory
+                h_extract = digest(h_extract, cfg.validation)
         if cfg.time_budget:
             seconds_of(cfg.time_budget)  # a malformed budget fails before anything runs
-            if cfg.data:
-                raise SystemExit(
-                    "pipeline: time_budget needs the extract stage (its seconds estimate the "
-                    "evaluation's), but data: is given; set train.trainer.max_time instead"
+            if not (0 < cfg.extract_share and 0 < cfg.train_share
+                    and cfg.extract_share + cfg.train_share < 1):  # fmt: skip
+                raise PipelineError(
+                    f"extract_share={cfg.extract_share}, train_share={cfg.train_share}: each "
+                    "must be > 0 and together < 1 (the evaluation has the rest)"
                 )
-        budget = [cfg.time_budget, cfg.eval_per_extract] if cfg.time_budget else []
+            if cfg.data:
+                raise PipelineError(
+                    "time_budget shares the run between the stages, but data: skips "
+                    "extraction; set train.trainer.max_time instead"
+                )
+        budget = [cfg.time_budget, cfg.train_share] if cfg.time_budget else []
         h_train = digest("train", h_extract, cfg.train, *budget)
         h_export = digest("export", h_train, cfg.export)
         h_eval = digest("eval", h_export, cfg.model, cfg.eval)
@@ -124,6 +156,23 @@ class Plan:
         if cfg.data:
             self.dirs["extract"] = Path(cfg.data)
         self.train_max_time: str | None = None  # set by run() under time_budget
+        self.validation_seconds = 0.0  # set by run(): the validation set's extraction
+
+    def val_dir(self) -> Path | None:
+        """Where the validation dataset lives (None without a ``validation`` section)."""
+        if not self.cfg.validation:
+            return None
+        return self.dirs["extract"] / "val"
+
+    def validation_args(self) -> list[str]:
+        """The extract stage's arguments for the validation dataset (writes its stage.yaml)."""
+        d = self.val_dir()
+        assert d is not None
+        d.mkdir(parents=True, exist_ok=True)
+        section = {**self.cfg.extract, **self.cfg.validation}
+        section.update(model=self.cfg.model, output=str(d))
+        (d / "stage.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
+        return [f"--config={d / 'stage.yaml'}"]
 
     def checkpoint(self) -> Path:
         ckpts = self.dirs["train"] / "checkpoints"
@@ -136,8 +185,11 @@ class Plan:
         d.mkdir(parents=True, exist_ok=True)
         if stage == "extract":
             section = {**cfg.extract, "model": cfg.model, "output": str(d)}
+            if cfg.time_budget:
+                left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
+                section["time_limit"] = max(left, 1.0)
         elif stage == "train":
-            section = _merge(
+            section = merge(
                 cfg.train,
                 {
                     "trainer": {"default_root_dir": str(d)},
@@ -145,6 +197,8 @@ class Plan:
                     "checkpoint": {"dirpath": str(d / "checkpoints")},
                 },
             )
+            if self.val_dir() is not None:
+                section["data"]["val_data"] = str(self.val_dir())
             section["trainer"]["logger"] = _loggers(section["trainer"].get("logger"), d)
             if self.train_max_time:
                 section["trainer"]["max_time"] = self.train_max_time
@@ -169,32 +223,34 @@ def seconds_of(duration: str) -> float:
     except ValueError:
         parts = []
     if not 1 <= len(parts) <= 4 or any(p < 0 for p in parts):
-        raise SystemExit(f"pipeline: time_budget={duration!r}: expected DD:HH:MM:SS")
+        raise PipelineError(f"time_budget={duration!r}: expected DD:HH:MM:SS")
     return sum(p * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400), strict=False))
 
 
 def train_time(cfg: PipelineConfig, extract_seconds: float) -> tuple[str, dict[str, float]]:
-    """trainer.max_time under ``cfg.time_budget``, and the accounting behind it."""
+    """trainer.max_time under ``cfg.time_budget``, and the accounting behind it: the
+    train share, plus what extraction left of its share, less TRAIN_STARTUP_S."""
     budget = seconds_of(cfg.time_budget or "")
-    eval_s = cfg.eval_per_extract * extract_seconds
-    left = int(budget - extract_seconds - eval_s - TRAIN_STARTUP_S)
+    unused = max(cfg.extract_share * budget - extract_seconds, 0.0)
+    left = int(cfg.train_share * budget + unused - TRAIN_STARTUP_S)
     if left < 60:
-        raise SystemExit(
-            f"pipeline: time_budget={cfg.time_budget!r}: extraction took "
-            f"{extract_seconds:.0f} s and the evaluation should take {eval_s:.0f} s, leaving "
-            f"{left} s to train (< 60); raise time_budget or shrink extract.data / eval.limit"
+        raise PipelineError(
+            f"time_budget={cfg.time_budget!r} with train_share={cfg.train_share} leaves "
+            f"{left} s to train (< 60); raise time_budget or train_share"
         )
     d, rest = divmod(left, 86400)
     h, rest = divmod(rest, 3600)
     max_time = f"{d:02d}:{h:02d}:{rest // 60:02d}:{rest % 60:02d}"
-    accounting = {"budget_s": budget, "extract_s": extract_seconds, "eval_estimate_s": eval_s}
-    return max_time, {**accounting, "train_max_time_s": float(left)}
+    accounting = {"budget_s": budget, "extract_s": extract_seconds, "extract_unused_s": unused}
+    eval_s = budget - extract_seconds - left - TRAIN_STARTUP_S
+    return max_time, {**accounting, "train_max_time_s": float(left), "eval_left_s": eval_s}
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` merged in at every depth (``extra`` wins)."""
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge(out.get(key) or {}, value) if isinstance(value, dict) else value
+        out[key] = merge(out.get(key) or {}, value) if isinstance(value, dict) else value
     return out
 
 
@@ -211,29 +267,39 @@ def _loggers(logger: Any, run_dir: Path) -> Any:
     return fixed
 
 
-def stage_main(stage: str):
-    """The ``main`` of a stage module (imported late: vLLM and Lightning are heavy)."""
-    if stage == "extract":
-        from draftsmith.extract.main import main
-    elif stage == "train":
-        from draftsmith.train.main import main
-    elif stage == "export":
-        from draftsmith.train.checkpoint import main
-    else:
-        from draftsmith.evaluate.main import main
-    return main
+def stage_config(stage: str, args: list[str]) -> Any:
+    """The stage's typed config parsed from ``args`` (the train stage: ``args`` as they are,
+    for its LightningCLI)."""
+    command = COMMANDS[stage]
+    if command.config is None:
+        return args
+    with _named(stage):
+        return parse_config(command.config_class(), args, prog=f"draftsmith {stage}")
+
+
+def run_stage(stage: str, args: list[str]) -> int:
+    """Run one stage in this process; its errors propagate, prefixed with the stage."""
+    config = stage_config(stage, args)
+    with _named(stage):
+        return importlib.import_module(COMMANDS[stage].module).run_stage(config) or 0
+
+
+@contextlib.contextmanager
+def _named(stage: str):
+    """Prefix a stage's DraftsmithError with the stage: the option is in its section."""
+    try:
+        yield
+    except DraftsmithError as err:
+        raise PipelineError(f"{stage}: {err}") from err
 
 
 def dry_run(plan: Plan) -> None:
     """Parse every section with its stage's parser (nothing runs)."""
-    from draftsmith.evaluate.config import EvalConfig
-    from draftsmith.extract.config import ExtractConfig
-    from draftsmith.train.checkpoint import ExportConfig
-
-    parsers = {"extract": ExtractConfig, "export": ExportConfig, "eval": EvalConfig}
     for stage in STAGES:
         if stage == "extract" and plan.cfg.data:
             continue
+        if stage == "extract" and plan.val_dir() is not None:
+            stage_config("extract", plan.validation_args())
         args = plan.stage_args(stage)
         if stage == "train":
             import contextlib
@@ -241,13 +307,13 @@ def dry_run(plan: Plan) -> None:
 
             with contextlib.redirect_stdout(io.StringIO()):
                 try:
-                    stage_main("train")([*args, "--print_config"])
+                    COMMANDS["train"].main()([*args, "--print_config"])
                 except SystemExit as done:
                     if done.code:
                         raise
         else:
-            parse_config(parsers[stage], args, prog=f"draftsmith {stage}")
-        print(f"{stage:8s} ok  -> {plan.dirs[stage]}")
+            stage_config(stage, args)
+        say(f"{stage:8s} ok  -> {plan.dirs[stage]}")
 
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
@@ -258,37 +324,53 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     state_file = out / "pipeline.json"
     state: dict[str, Any] = {"config": cfg.__dict__, "stages": {}}
     last = STAGES.index(cfg.stop_after)
+    for stage in ("extract", "export", "eval"):  # bad options fail before hours of work
+        if not (stage == "extract" and cfg.data) and STAGES.index(stage) <= last:
+            stage_config(stage, plan.stage_args(stage))
+    run_started = time.monotonic()
     for stage in STAGES[: last + 1]:
         d = plan.dirs[stage]
         entry = {"dir": str(d), "hash": plan.hashes[stage]}
         if stage == "extract" and cfg.data:
             state["stages"][stage] = {**entry, "status": "given", "seconds": 0.0}
-            print(f"pipeline: extract skipped: training on {d}")
+            say(f"pipeline: extract skipped: training on {d}")
             continue
         if (d / DONE).is_file():
             done = json.loads((d / DONE).read_text())
             state["stages"][stage] = {**entry, "status": "skipped", "seconds": done["seconds"]}
-            print(f"pipeline: {stage} is up to date ({d})")
+            say(f"pipeline: {stage} is up to date ({d})")
             write_json_atomic(state_file, state)
             continue
         if stage == "train" and cfg.time_budget:
             extract_s = state["stages"]["extract"]["seconds"]
             plan.train_max_time, state["budget"] = train_time(cfg, extract_s)
-            print(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
-        print(f"pipeline: {stage} -> {d}")
+            say(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
+        say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
-        code = stage_main(stage)(plan.stage_args(stage))
+        if stage == "extract" and plan.val_dir() is not None:
+            say(f"pipeline: validation set -> {plan.val_dir()}")
+            run_stage("extract", plan.validation_args())
+            plan.validation_seconds = time.monotonic() - started
+        code = run_stage(stage, plan.stage_args(stage))
         seconds = round(time.monotonic() - started, 1)
         status = "done" if not code else f"failed (exit {code})"
         state["stages"][stage] = {**entry, "status": status, "seconds": seconds}
         write_json_atomic(state_file, state)
         if code:
-            raise SystemExit(f"pipeline: {stage} failed with exit code {code}; see above")
+            raise PipelineError(f"{stage} failed (exit {code}); its log: {d / (stage + '.log')}")
         write_json_atomic(d / DONE, {"seconds": seconds})
+        say(f"pipeline: {stage} done in {seconds:.0f} s{_budget_left(cfg, run_started)}")
     if last == STAGES.index("eval"):
         report = plan.dirs["eval"] / "report.md"
         (out / "summary.md").write_text(report.read_text() if report.is_file() else "")
     return state
+
+
+def _budget_left(cfg: PipelineConfig, started: float) -> str:
+    if not cfg.time_budget:
+        return ""
+    used, budget = time.monotonic() - started, seconds_of(cfg.time_budget)
+    return f"; {used / 60:.1f} of {budget / 60:.0f} budget minutes used"
 
 
 def summary(state: dict[str, Any]) -> str:
@@ -298,11 +380,49 @@ def summary(state: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def section_overrides(args: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Split ``--<stage>.<key...> VALUE`` (or ``=VALUE``) out of ``args``.
+
+    Returns the other arguments and ``{"train.model.lr": 0.001, ...}``; values are read as
+    YAML, so ``'[a.jsonl, b.jsonl]'`` is a list and ``3e-4`` a number."""
+    rest: list[str] = []
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, sep, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if key.split(".", 1)[0] in SECTIONS and "." in key:
+            if not sep:
+                if i + 1 >= len(args):
+                    raise PipelineError(f"--{key}: no value given; write --{key} VALUE")
+                value, i = args[i + 1], i + 1
+            overrides[key] = yaml.safe_load(value) if value.strip() else value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree["a"]["b"]["c"] = value`` for ``"a.b.c"``, creating the levels between."""
+    *path, last = dotted.split(".")
+    node = tree
+    for key in path:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[last] = value
+
+
 def parse_pipeline(args: list[str] | None) -> PipelineConfig:
-    """Parse like every stage, except that the four sections pass through verbatim: they
-    are stage configs (class_path loggers and strategies included), parsed by the stage."""
+    """Parse like every stage; the four sections are stage configs (class_path loggers and
+    strategies included) that pass through verbatim to their stage, which parses them.
+
+    ``--config`` files apply in order, then ``--<stage>.<key> VALUE`` overrides at any
+    depth (``--train.model.lr 3e-4``, ``--extract.data prompts.jsonl``)."""
     args = list(sys.argv[1:] if args is None else args)
-    sections: dict[str, dict] = {name: {} for name in STAGES}
+    args, overrides = section_overrides(args)
+    sections: dict[str, dict] = {name: {} for name in SECTIONS}
     rest, tmp_files = [], []
     i = 0
     while i < len(args):
@@ -315,10 +435,12 @@ def parse_pipeline(args: list[str] | None) -> PipelineConfig:
         if path is None:
             rest.append(arg)
         else:
+            if not Path(path).is_file():
+                raise PipelineError(f"--config: {path} does not exist")
             raw = yaml.safe_load(Path(path).read_text()) or {}
-            for name in STAGES:
+            for name in SECTIONS:
                 if name in raw:
-                    sections[name] = _merge(sections[name], raw.pop(name) or {})
+                    sections[name] = merge(sections[name], raw.pop(name) or {})
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
                 yaml.safe_dump(raw, f)
             tmp_files.append(f.name)
@@ -329,21 +451,32 @@ def parse_pipeline(args: list[str] | None) -> PipelineConfig:
     finally:
         for name in tmp_files:
             Path(name).unlink(missing_ok=True)
+    for dotted, value in overrides.items():
+        set_dotted(sections, dotted, value)
+    if not cfg.model:
+        raise PipelineError(
+            "model: not given; pass --model DIR (a Hugging Face model "
+            "directory), a hub id, or smollm2-135m"
+        )
     return dataclasses.replace(cfg, **sections)
 
 
 def main(args: list[str] | None = None) -> int:
+    return exit_code("draftsmith pipeline", lambda: _main(args))
+
+
+def _main(args: list[str] | None) -> int:
     cfg = parse_pipeline(args)
     if cfg.dry_run:
         dry_run(Plan(cfg))
         return 0
     state = run(cfg)
-    print(summary(state))
+    say(summary(state))
     results = Path(state["stages"].get("eval", {}).get("dir", "")) / "results.json"
     if results.is_file():
         from draftsmith.evaluate.report import summary_table
 
-        print(summary_table(json.loads(results.read_text())))
+        say(summary_table(json.loads(results.read_text())))
     return 0
 
 

@@ -14,6 +14,7 @@ training, the draft vocabulary's coverage and the seconds of each stage; it is w
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import sys
 import traceback
@@ -24,8 +25,17 @@ from typing import Any
 import yaml
 
 from draftsmith.config import parse_config
-from draftsmith.extract.store import write_json_atomic
-from draftsmith.pipelines.main import STAGES, parse_pipeline, run
+from draftsmith.console import say
+from draftsmith.errors import DraftsmithError, exit_code
+from draftsmith.files import write_json_atomic
+from draftsmith.pipelines.main import (
+    SECTIONS,
+    PipelineError,
+    parse_pipeline,
+    run,
+    section_overrides,
+    set_dotted,
+)
 
 # Plain YAML values: ``Any`` would let the parser instantiate ``class_path`` dicts (loggers).
 Overrides = dict[str, None | bool | int | float | str | list | dict]
@@ -53,14 +63,30 @@ def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     """A deep copy of ``base`` with ``{"a.b.c": v}`` set; unknown top-level keys are errors."""
     out = json.loads(json.dumps(base))
     for dotted, value in overrides.items():
-        keys = dotted.split(".")
-        if keys[0] not in out and keys[0] not in (*STAGES, "data"):
-            raise SystemExit(f"study: points: {dotted!r}: no section {keys[0]!r} in the pipeline")
-        node = out
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
+        section = dotted.split(".")[0]
+        if section not in out and section not in (*SECTIONS, "data"):
+            raise PipelineError(f"points: {dotted!r}: no section {section!r} in the pipeline")
+        set_dotted(out, dotted, value)
     return out
+
+
+def parse_study(args: list[str] | None) -> StudyConfig:
+    """The study's options; ``--<stage>.<key> VALUE`` arguments join ``common`` (after the
+    YAML's), so they apply to every point and a point's own overrides still win."""
+    args = list(sys.argv[1:] if args is None else args)
+    rest, overrides = section_overrides(args)
+    cfg = parse_config(StudyConfig, rest, prog="draftsmith study")
+    return dataclasses.replace(cfg, common={**cfg.common, **overrides})
+
+
+def point_configs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
+    """Point name -> the whole pipeline config that point runs."""
+    base = yaml.safe_load(Path(cfg.pipeline).read_text())
+    common = apply_overrides(base, cfg.common)
+    points = {}
+    for name, overrides in cfg.points.items():
+        points[name] = {**apply_overrides(common, overrides or {}), "output": cfg.output}
+    return points
 
 
 def train_metrics(train_dir: Path) -> dict[str, float]:
@@ -156,28 +182,32 @@ def plot(rows: list[dict[str, Any]], path: Path, k: int) -> None:
 
 
 def main(args: list[str] | None = None) -> int:
-    cfg = parse_config(StudyConfig, args, prog="draftsmith study")
-    base = yaml.safe_load(Path(cfg.pipeline).read_text())
+    return exit_code("draftsmith study", lambda: _main(args))
+
+
+def _main(args: list[str] | None) -> int:
+    cfg = parse_study(args)
     out = Path(cfg.output)
     (out / "points").mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, overrides in cfg.points.items():
-        point = apply_overrides(apply_overrides(base, cfg.common), overrides or {})
-        point["output"] = str(out)
+    for name, point in point_configs(cfg).items():
+        overrides = cfg.points[name] or {}
         path = out / "points" / f"{name}.yaml"
         path.write_text(yaml.safe_dump(point, sort_keys=False))
-        print(f"study: point {name}: {overrides or '(base)'}", flush=True)
+        say(f"study: point {name}: {overrides or '(base)'}")
         try:
             state = run(parse_pipeline(["--config", str(path)]))
-            rows.append(point_row(name, overrides or {}, state, cfg))
-        except (Exception, SystemExit) as err:  # one failed point does not end the study
-            traceback.print_exc()
-            rows.append({"point": name, "overrides": overrides or {}, "error": str(err)[:200]})
+            rows.append(point_row(name, overrides, state, cfg))
+        except Exception as err:  # one failed point does not end the study
+            if not isinstance(err, DraftsmithError):
+                traceback.print_exc()
+            say(f"study: point {name} failed: {err}")
+            rows.append({"point": name, "overrides": overrides, "error": str(err)[:200]})
         write_json_atomic(out / "study.json", {"config": cfg.__dict__, "rows": rows})
     text = table(rows, cfg)
     (out / "study.md").write_text(text + "\n")
     plot(rows, out / "study.png", cfg.k)
-    print(text)
+    say(text)
     return 1 if any(r.get("error") for r in rows) else 0
 
 

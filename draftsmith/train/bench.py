@@ -25,7 +25,6 @@ import torch
 
 from draftsmith.config import parse_config, to_dict
 from draftsmith.targets import read_target
-from draftsmith.train.export import read_target_config
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.loss import ttt_loss
 from draftsmith.train.ttt import AttentionImpl, ttt_unroll
@@ -66,13 +65,12 @@ class BenchTrainConfig:
 def run(cfg: BenchTrainConfig) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = read_target(cfg.model)
-    _, config = read_target_config(cfg.model)
-    head = from_target_config(config, "eagle3", draft_vocab_size=cfg.draft_vocab_size)
+    head = from_target_config(target.config, "eagle3", draft_vocab_size=cfg.draft_vocab_size)
     if cfg.random_weights:
         embed = torch.randn(target.vocab_size, target.hidden_size) * 0.02
         lm_head = torch.randn(target.vocab_size, target.hidden_size) * 0.02
     else:
-        weights = load_target_weights(cfg.model)
+        weights = load_target_weights(target)
         embed, lm_head = weights.embed, weights.lm_head
     head.set_embeddings(embed)
     head.set_draft_vocab(torch.arange(cfg.draft_vocab_size))

@@ -20,11 +20,14 @@ from typing import Any
 import torch
 
 from draftsmith.config import parse_config
+from draftsmith.console import say
+from draftsmith.errors import DraftsmithError, exit_code
+from draftsmith.targets import read_target
 from draftsmith.train.export import HEADS, export_head
 from draftsmith.train.module import CHECKPOINT_KEY
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DraftsmithError):
     """A checkpoint that is missing, or was not written by ``draftsmith train``."""
 
 
@@ -70,6 +73,11 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
 def head_from_checkpoint(ckpt: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(the trained head, its ``draftsmith`` info) from a loaded checkpoint."""
     info = ckpt[CHECKPOINT_KEY]
+    if info["kind"] not in HEADS:
+        raise CheckpointError(
+            f"checkpoint: head kind {info['kind']!r} is not one of {sorted(HEADS)}; retrain "
+            "with this version of draftsmith"
+        )
     head = HEADS[info["kind"]](**info["head_kwargs"])
     state = {k[len("head.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
     missing, unexpected = head.load_state_dict(state, strict=False)
@@ -105,7 +113,7 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
     return export_head(
         head,
         info["kind"],
-        info["target"],
+        read_target(info["target"]),
         Path(cfg.output),
         layer_ids=info.get("layer_ids"),
         num_speculative_tokens=cfg.num_speculative_tokens,
@@ -116,12 +124,12 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
 
 def main(args: list[str] | None = None) -> int:
     cfg = parse_config(ExportConfig, args, prog="draftsmith export")
-    try:
-        out = export_checkpoint(cfg)
-    except (CheckpointError, ValueError) as err:
-        print(f"draftsmith export: error: {err}", file=sys.stderr)
-        return 2
-    print(f"exported: {out}  (vllm serve {out}, or speculative_config model={out})")
+    return exit_code("draftsmith export", lambda: run_stage(cfg))
+
+
+def run_stage(cfg: ExportConfig) -> int:
+    out = export_checkpoint(cfg)
+    say(f"exported: {out}  (vllm serve {out}, or speculative_config model={out})")
     return 0
 
 

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from draftsmith.extract.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.extract import DatasetError, HiddenStatesDataset, open_dataset
 from draftsmith.targets import TargetInfo
 
 PAD_DOC_ID = -1
@@ -277,7 +277,13 @@ class EagleDataModule(pl.LightningDataModule):
         batch_size: rows per batch (B).
         val_fraction: fraction of samples held out for validation (split by sample, seeded;
             at least one when the dataset has two or more, 0 disables validation, 1 makes every
-            sample validation: ``draftsmith train validate`` on a whole dataset).
+            sample validation: ``draftsmith train validate`` on a whole dataset). Ignored
+            when ``val_data`` is given.
+        val_data: a separate dataset to validate on, e.g. a held-out slice of a broad
+            source answered by the target (``sharegpt@heldout``): then every sample of
+            ``data`` trains, and the simulated acceptance predicts serving on prompts the
+            head never saw rather than on the training set's own kind. Same target and
+            tapped layers as ``data``.
         num_workers: DataLoader worker processes.
         seed: seeds the split, the packing and the row order (reshuffled every epoch).
         aux_layers: tapped layer ids that feed the head, concatenated in ascending order;
@@ -294,6 +300,7 @@ class EagleDataModule(pl.LightningDataModule):
         row_tokens: int = 2048,
         batch_size: int = 1,
         val_fraction: float = 0.05,
+        val_data: str | None = None,
         num_workers: int = 2,
         seed: int = 0,
         aux_layers: list[int] | None = None,
@@ -304,6 +311,7 @@ class EagleDataModule(pl.LightningDataModule):
         if row_tokens < 1 or batch_size < 1 or num_workers < 0 or noise_std < 0:
             raise ValueError("row_tokens, batch_size >= 1; num_workers, noise_std >= 0")
         self.data, self.row_tokens, self.batch_size = data, row_tokens, batch_size
+        self.val_data = val_data
         self.num_workers, self.seed, self.noise_std = num_workers, seed, noise_std
         self.dataset = open_dataset(data, dtype=DTYPES[dtype])
         self.manifest: dict[str, Any] = self.dataset.manifest
@@ -314,6 +322,19 @@ class EagleDataModule(pl.LightningDataModule):
         self.vocab_size: int = int(self.manifest["target"]["vocab_size"])
         self.target_path: str = self.manifest["target"]["path"]
         self.train_indices, self.val_indices = split_samples(len(self.dataset), val_fraction, seed)
+        self.val_dataset = self.dataset
+        if val_data:
+            self.val_dataset = open_dataset(val_data, dtype=DTYPES[dtype])
+            theirs = self.val_dataset.manifest
+            for key in ("layer_ids", "hidden_size"):
+                if theirs.get(key) != self.manifest.get(key):
+                    raise DatasetError(
+                        f"data.val_data: {val_data} has {key} {theirs.get(key)}, the training "
+                        f"data {data} {self.manifest.get(key)}; extract both with the same "
+                        "target and layer_ids"
+                    )
+            self.train_indices = list(range(len(self.dataset)))
+            self.val_indices = list(range(len(self.val_dataset)))
         self.num_truncated = sum(n > row_tokens for n in self.dataset.lengths)
         if self.num_truncated:
             warnings.warn(
@@ -339,14 +360,14 @@ class EagleDataModule(pl.LightningDataModule):
                 "extracted from, or re-extract the dataset with this target."
             )
 
-    def _loader(self, indices: list[int], seed: int | None) -> DataLoader:
-        lengths = [self.dataset.lengths[i] for i in indices]
+    def _loader(self, dataset: HiddenStatesDataset, indices: list[int], seed: int | None):
+        lengths = [dataset.lengths[i] for i in indices]
         rows = [[indices[i] for i in row] for row in pack(lengths, self.row_tokens, seed)]
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         sampler = RowSampler(len(rows), seed, rank, world)
         return ResumableLoader(
-            PackedDataset(self.dataset, rows, self.row_tokens, self.aux_layer_ids),
+            PackedDataset(dataset, rows, self.row_tokens, self.aux_layer_ids),
             batches_done=self._batches_done,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -372,11 +393,13 @@ class EagleDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Packed once (seeded); rows split across ranks and shuffled by ``seed + epoch``."""
-        return self._loader(self.train_indices, self.seed)
+        return self._loader(self.dataset, self.train_indices, self.seed)
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation rows in a fixed packing and order; [] (no validation) when none."""
-        return self._loader(self.val_indices, None) if self.val_indices else []
+        if not self.val_indices:
+            return []
+        return self._loader(self.val_dataset, self.val_indices, None)
 
     def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
         """On the device: add ``noise_std`` Gaussian noise to training batches only."""

@@ -34,24 +34,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from draftsmith.targets import resolve_model, validate_layer_ids
+from draftsmith.errors import ConfigError
+from draftsmith.targets import TargetInfo, text_config, validate_layer_ids
 from draftsmith.train.heads import Eagle1Head, Eagle3Head
 
-ARCHITECTURES = {"eagle3": "Eagle3LlamaForCausalLM", "eagle1": "EagleLlamaForCausalLM"}
-HEADS = {"eagle3": Eagle3Head, "eagle1": Eagle1Head}
-VLLM_METHODS = {"eagle3": "eagle3", "eagle1": "eagle"}  # vLLM's speculative_config method
+# Head kinds are named as vLLM's speculative_config ``method``.
+ARCHITECTURES = {"eagle3": "Eagle3LlamaForCausalLM", "eagle": "EagleLlamaForCausalLM"}
+HEADS = {"eagle3": Eagle3Head, "eagle": Eagle1Head}
 NEVER_EXPORTED = ("embed_tokens", "t2d")  # shared with / derived from the target
-
-
-def read_target_config(target: str) -> tuple[str, dict[str, Any]]:
-    """(name_or_path vLLM loads, the target's config dict) for a directory, hub id or short name."""
-    path = resolve_model(target)
-    config_file = Path(path) / "config.json"
-    if config_file.is_file():
-        return path, json.loads(config_file.read_text())
-    from transformers import AutoConfig
-
-    return path, AutoConfig.from_pretrained(path).to_dict()
 
 
 def rope_fields(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
@@ -67,14 +57,14 @@ def head_layer_ids(
     head: nn.Module, kind: str, target_config: dict[str, Any], layer_ids: list[int] | None
 ) -> list[int] | None:
     """Check the tapped layer ids against the head and target; None means vLLM's default."""
-    if kind == "eagle1":
+    if kind == "eagle":
         if layer_ids:
-            raise ValueError("layer_ids: EAGLE-1 heads read the target's final state, tap none.")
+            raise ConfigError("layer_ids: EAGLE-1 heads read the target's final state, tap none.")
         return None
-    n = (target_config.get("text_config") or target_config)["num_hidden_layers"]
+    n = text_config(target_config)["num_hidden_layers"]
     ids = validate_layer_ids(layer_ids if layer_ids is not None else [2, n // 2, n - 3], n)
     if len(ids) != head.init_kwargs["num_aux_states"]:
-        raise ValueError(
+        raise ConfigError(
             f"layer_ids: {ids} has {len(ids)} ids but the head's fc reads "
             f"{head.init_kwargs['num_aux_states']} target states; give the ids it was trained on."
         )
@@ -92,13 +82,13 @@ def head_config(
 ) -> dict[str, Any]:
     """The head's ``config.json`` (see the module docstring for what each part is for)."""
     if kind not in HEADS or not isinstance(head, HEADS[kind]):
-        raise ValueError(f"kind {kind!r} does not fit a {type(head).__name__}; use eagle3/eagle1")
-    k, text = head.init_kwargs, target_config.get("text_config") or target_config
+        raise ConfigError(f"kind {kind!r} does not fit a {type(head).__name__}; use eagle3/eagle")
+    k, text = head.init_kwargs, text_config(target_config)
     if k["vocab_size"] != text["vocab_size"]:
-        raise ValueError(f"head vocab {k['vocab_size']} != target vocab {text['vocab_size']}")
+        raise ConfigError(f"head vocab {k['vocab_size']} != target vocab {text['vocab_size']}")
     target_hidden = k.get("target_hidden_size") or k["hidden_size"]
     if target_hidden != text["hidden_size"]:
-        raise ValueError(
+        raise ConfigError(
             f"head reads hidden size {target_hidden}, target has {text['hidden_size']}"
         )
     ids = head_layer_ids(head, kind, target_config, layer_ids)
@@ -129,12 +119,16 @@ def head_config(
     if kind == "eagle3":
         config["norm_before_residual"] = bool(k["norm_before_residual"])
         config["norm_output"] = bool(k["norm_output"])
+        # Top level: vLLM's speculators conversion (algos.update_eagle3) and its Llama
+        # Eagle-3 model (eagle_config first, then these) both read them there.
+        config["norm_before_fc"] = bool(k["norm_before_fc"])
+        config["fc_norm"] = bool(k["fc_norm"])
         config["eagle_aux_hidden_state_layer_ids"] = ids
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
-    config["speculators_model_type"] = VLLM_METHODS[kind]
+    config["speculators_model_type"] = kind
     config["transformer_layer_config"] = layer
     config["speculators_config"] = {
-        "algorithm": VLLM_METHODS[kind],
+        "algorithm": kind,
         "default_proposal_method": "greedy",
         "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}
@@ -148,7 +142,7 @@ def head_tensors(head: nn.Module, kind: str, dtype: torch.dtype) -> dict[str, to
     """The head's state dict in vLLM's keys: floats cast to ``dtype``, ``d2t`` int64."""
     tensors = {}
     for name, value in head.state_dict().items():
-        if name in NEVER_EXPORTED or (kind == "eagle1" and name == "lm_head"):
+        if name in NEVER_EXPORTED or (kind == "eagle" and name == "lm_head"):
             continue
         value = value.detach().cpu()
         tensors[name] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
@@ -161,7 +155,7 @@ def head_tensors(head: nn.Module, kind: str, dtype: torch.dtype) -> dict[str, to
 def export_head(
     head: nn.Module,
     kind: str,
-    target: str,
+    target: TargetInfo,
     out_dir: Path,
     *,
     layer_ids: list[int] | None = None,
@@ -172,17 +166,16 @@ def export_head(
     """Write ``head`` for ``target`` to ``out_dir`` (atomically, via ``out_dir.tmp``).
 
     Args:
-        head: an ``Eagle3Head`` (``kind="eagle3"``) or ``Eagle1Head`` (``kind="eagle1"``).
-        target: the target's directory, hub id or short name; written as the verifier.
+        head: an ``Eagle3Head`` (``kind="eagle3"``) or ``Eagle1Head`` (``kind="eagle"``).
+        target: the target (``read_target``); its path is written as the verifier.
         layer_ids: EAGLE-3 tapped layers in vLLM's meaning (module docstring), ascending;
             None means vLLM's default ``[2, N // 2, N - 3]``.
         num_speculative_tokens: k, the default draft length for ``vllm serve <out_dir>``.
         card: extra model-card sections (data summary, config, metrics), rendered as tables.
     Returns: ``out_dir``.
     """
-    verifier, target_config = read_target_config(target)
     config = head_config(
-        head, kind, target_config, layer_ids, num_speculative_tokens, verifier, dtype
+        head, kind, target.config, layer_ids, num_speculative_tokens, target.path, dtype
     )
     out_dir = Path(out_dir).absolute()
     tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
@@ -227,7 +220,7 @@ def _section(value: Any) -> str:
 def model_card(config: dict[str, Any], kind: str, out_dir: Path, card: dict[str, Any]) -> str:
     """README.md: what the head is, how to serve it, then the ``card`` sections."""
     spec = config["speculators_config"]
-    target, method = spec["verifier"]["name_or_path"], VLLM_METHODS[kind]
+    target = spec["verifier"]["name_or_path"]
     k = spec["proposal_methods"][0]["speculative_tokens"]
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     taps = "none (reads the target's final, post-norm state)"
@@ -235,14 +228,14 @@ def model_card(config: dict[str, Any], kind: str, out_dir: Path, card: dict[str,
         taps = f"{ids}: id k = residual stream after k decoder layers, before any norm"
     facts = {
         "target (verifier)": target,
-        "method": f"{kind} (vLLM `method: {method}`, `{config['architectures'][0]}`)",
+        "method": f"vLLM `method: {kind}`, `{config['architectures'][0]}`",
         "draft layers": config["num_hidden_layers"],
         "tapped target layers": taps,
         "draft vocab size": f"{config['draft_vocab_size']} of {config['vocab_size']}",
         "num_speculative_tokens (k)": k,
         "dtype": config["torch_dtype"],
     }
-    spec_arg = json.dumps({"method": method, "model": str(out_dir), "num_speculative_tokens": k})
+    spec_arg = json.dumps({"method": kind, "model": str(out_dir), "num_speculative_tokens": k})
     title = "EAGLE-3" if kind == "eagle3" else "EAGLE-1"
     parts = [
         f"# {title} draft head for `{target}`",

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.targets import text_config
+
 # (layer_idx, q [B, n_heads, T, hd], k [B, n_kv, T, hd], v [B, n_kv, T, hd]) -> [B, n_heads, T, hd]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
@@ -266,6 +268,11 @@ class Eagle3Head(_DraftHead):
     State-dict keys (vLLM's): ``fc.weight`` [H, n_aux * H_target], ``midlayer.*`` (first
     layer), ``layers.{i}.*`` for i >= 1, ``norm.weight``, ``lm_head.weight`` [draft_vocab, H]
     and ``d2t`` [draft_vocab] int64 (only when the draft vocabulary is reduced).
+
+    Optional norms before ``fc``, under vLLM's config keys (``combine_hidden_states``):
+    ``norm_before_fc`` one RMSNorm over the whole fused input, ``input_norm.weight``
+    [n_aux * H_target]; ``fc_norm`` one RMSNorm per tapped state, ``fc_norm.{i}.weight``
+    [H_target]. With both, vLLM applies ``input_norm`` first.
     """
 
     def __init__(
@@ -287,11 +294,20 @@ class Eagle3Head(_DraftHead):
         norm_before_residual: bool = False,
         norm_output: bool = False,
         attention_bias: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
     ) -> None:
         super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         draft_vocab_size = draft_vocab_size or vocab_size
         self.draft_vocab_size, self.norm_output = draft_vocab_size, norm_output
-        fc_in = num_aux_states * (target_hidden_size or hidden_size)
+        target_hidden = target_hidden_size or hidden_size
+        fc_in = num_aux_states * target_hidden
+        self.input_norm = RMSNorm(fc_in, rms_norm_eps) if norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(target_hidden, rms_norm_eps) for _ in range(num_aux_states))
+            if fc_norm
+            else None
+        )
         self.fc = nn.Linear(fc_in, hidden_size, bias=False)
         self.midlayer = DecoderLayer(
             0, **self.layer_kwargs, eagle3_first=True, norm_before_residual=norm_before_residual
@@ -333,7 +349,13 @@ class Eagle3Head(_DraftHead):
         return index
 
     def combine_hidden_states(self, aux_states: Tensor) -> Tensor:
-        """[B, T, n_aux * H_target] fused target states -> [B, T, H] (``fc``)."""
+        """[B, T, n_aux * H_target] fused target states -> [B, T, H]: the optional norms,
+        then ``fc`` (vLLM's ``Eagle3LlamaForCausalLM.combine_hidden_states``)."""
+        if self.input_norm is not None:
+            aux_states = self.input_norm(aux_states)
+        if self.fc_norm is not None:
+            chunks = aux_states.chunk(len(self.fc_norm), dim=-1)  # n_aux x [B, T, H_target]
+            aux_states = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks, strict=True)], -1)
         return self.fc(aux_states)
 
     def forward(
@@ -440,10 +462,10 @@ def from_target_config(
 ) -> Eagle3Head | Eagle1Head:
     """Build a head whose attention/rope/norm settings come from the TARGET's config.json.
 
-    ``kind`` is ``"eagle3"`` or ``"eagle1"``; ``draft_options`` pass through (e.g.
+    ``kind`` is ``"eagle3"`` or ``"eagle"`` (EAGLE-1); ``draft_options`` pass through (e.g.
     ``draft_vocab_size``, ``num_layers``, ``norm_before_residual``, ``num_aux_states``).
     """
-    cfg = target_config.get("text_config") or target_config
+    cfg = text_config(target_config)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"only silu MLPs are supported, target uses {cfg['hidden_act']!r}")
     theta, scaling = target_rope(cfg)
@@ -460,6 +482,6 @@ def from_target_config(
     )
     if kind == "eagle3":
         return Eagle3Head(**{"target_hidden_size": cfg["hidden_size"], **common, **draft_options})
-    if kind == "eagle1":
+    if kind == "eagle":
         return Eagle1Head(**{**common, **draft_options})
-    raise ValueError(f"kind must be 'eagle3' or 'eagle1', got {kind!r}")
+    raise ValueError(f"kind must be 'eagle3' or 'eagle', got {kind!r}")

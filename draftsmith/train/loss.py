@@ -1,4 +1,4 @@
-"""Memory-bounded soft cross-entropy against the target (teacher) over the draft vocabulary.
+"""Memory-bounded loss against the target (teacher) over the draft vocabulary.
 
 Teacher distribution for the token at position p+1: ``softmax(final_norm(h_p) @ W_t[ids].T)``
 where ``W_t`` is the target's lm_head and ``ids`` [draft_vocab] the target ids of the draft
@@ -10,18 +10,68 @@ accuracy when ``teacher_top1`` comes from the full vocabulary (``teacher_argmax`
 Cost: the teacher's probabilities are computed once per batch and shared by the K TTT steps
 (``Teacher``), and the draft lm_head's gradient is skipped when it is frozen.
 
+Objective per token (``loss``), with d = softmax(draft logits) and t the teacher:
+
+- ``kl``: the soft cross-entropy ``-sum_v t_v log d_v``, i.e. KL(t || d) plus the teacher's
+  entropy (a constant: same gradient, ``d - t``).
+- ``tv``: total variation ``0.5 * sum_v |d_v - t_v|``. A draft token sampled from d is accepted
+  with probability ``1 - TV(d, t)``, so this is the quantity speculative sampling pays for.
+  Its gradient wrt the logits, with s = sign(d - t): ``0.5 * d_j * (s_j - sum_v d_v s_v)``.
+- ``kl_tv``: ``(1 - tv_weight) * kl + tv_weight * tv``.
+
 Memory: logits are only ever built for ``chunk_size`` tokens at a time. The autograd function
-computes the loss and its gradients (``softmax(draft) - p_teacher``) chunk by chunk during the
-forward, and keeps only gradient buffers the size of its inputs ([N, H] and [draft_vocab, H]).
-Peak extra memory is O(chunk_size * draft_vocab), independent of the number of tokens.
+computes the loss and its gradients chunk by chunk during the forward, and keeps only gradient
+buffers the size of its inputs ([N, H] and [draft_vocab, H]). Peak extra memory is
+O(chunk_size * draft_vocab), independent of the number of tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+from draftsmith.errors import ConfigError
+
+LossKind = Literal["kl", "tv", "kl_tv"]
+
+
+def objective_weights(loss: str, tv_weight: float = 0.5) -> tuple[float, float]:
+    """(weight of the soft cross-entropy, weight of TV) of ``loss`` (module docstring)."""
+    if loss == "kl":
+        return 1.0, 0.0
+    if loss == "tv":
+        return 0.0, 1.0
+    if loss == "kl_tv":
+        if not 0.0 <= tv_weight <= 1.0:
+            raise ConfigError(f"model.tv_weight: {tv_weight} is not in [0, 1]; pick e.g. 0.5")
+        return 1.0 - tv_weight, tv_weight
+    raise ConfigError(f"model.loss: {loss!r} is not one of 'kl', 'tv', 'kl_tv'")
+
+
+def chunk_objective(
+    logits: Tensor, teacher: Tensor, weights: tuple[float, float], need_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row loss [n] and its gradient wrt ``logits`` [n, V] (None unless ``need_grad``).
+
+    logits [n, V] draft logits (float32 or wider), teacher [n, V] probabilities, weights
+    (cross-entropy, TV) from ``objective_weights``.
+    """
+    ce_w, tv_w = weights
+    logd = logits.log_softmax(-1)  # [n, V]
+    loss = ce_w * -(teacher * logd).sum(-1) if ce_w else logits.new_zeros(logits.shape[0])
+    if not tv_w:  # the soft cross-entropy alone: d(CE)/d logits = d - t (sum(t) = 1)
+        return loss, logd.exp_().sub_(teacher).mul_(ce_w) if need_grad else None
+    d = logd.exp_()
+    diff = d - teacher
+    loss = loss + tv_w * 0.5 * diff.abs().sum(-1)
+    if not need_grad:
+        return loss, None
+    s = diff.sign_()  # [n, V]; in place from here on: few [n, V] buffers
+    grad = s.sub_((d * s).sum(-1, keepdim=True)).mul_(d).mul_(0.5 * tv_w)  # d(tv_w * TV)/dz
+    return loss, grad.add_(d.sub_(teacher), alpha=ce_w) if ce_w else grad
 
 
 class Teacher:
@@ -65,8 +115,9 @@ class Teacher:
         return self.probs[slot], self.top1[slot]
 
 
-class ChunkedSoftCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(p_teacher_i, softmax(x_i @ W.T)) over index pairs, in chunks of tokens."""
+class ChunkedDraftLoss(torch.autograd.Function):
+    """sum_i w_i * loss(p_teacher_i, softmax(x_i @ W.T)) over index pairs, in chunks of tokens
+    (``objective`` = (cross-entropy weight, TV weight), see ``objective_weights``)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -79,6 +130,7 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
         token_weight: Tensor,  # [P] float
         chunk_size: int,
         need_grad: tuple[bool, bool],  # (states, weight): grads are computed in forward
+        objective: tuple[float, float] = (1.0, 0.0),
     ) -> tuple[Tensor, Tensor, Tensor]:
         wide = torch.promote_types(states.dtype, torch.float32)  # softmax math in >= float32
         grad_states = torch.zeros_like(states) if need_grad[0] else None
@@ -94,11 +146,11 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
                 teacher_index[start : start + chunk_size]
             )  # [n, V]
             w = token_weight[start : start + chunk_size].to(wide)  # [n]
-            logq = logits.log_softmax(-1)
-            total += (w * -(p * logq).sum(-1)).sum()
             draft_top1[start : start + chunk_size] = logits.argmax(-1)
-            if need_grad[0] or need_grad[1]:
-                g = logq.exp_().sub_(p).mul_(w[:, None])  # d(w * CE) / d logits (sum(p) = 1)
+            row_loss, g = chunk_objective(logits, p, objective, need_grad[0] or need_grad[1])
+            total += (w * row_loss).sum()
+            if g is not None:
+                g = g.mul_(w[:, None])  # d(w * loss) / d logits
             if need_grad[0]:
                 # Indices are distinct within a call: plain (deterministic) assignment.
                 grad_states[di] = (g.to(weight.dtype) @ weight).to(states.dtype)
@@ -117,7 +169,7 @@ class ChunkedSoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total: Tensor, *_unused: Tensor):  # type: ignore[override]
         saved = iter(ctx.saved_tensors)
         grads = [grad_total * next(saved) if need else None for need in ctx.need_grad]
-        return *grads, *([None] * 6)
+        return *grads, *([None] * 7)
 
 
 def teacher_argmax(
@@ -191,8 +243,8 @@ def simulated_acceptance_length(correct: Tensor, valid: Tensor) -> Tensor:
 
 @dataclass
 class TTTLoss:
-    loss: Tensor  # scalar: sum_k decay**k * mean_k(CE)
-    step_loss: Tensor  # [K] detached mean CE per step
+    loss: Tensor  # scalar: sum_k decay**k * mean_k(loss)
+    step_loss: Tensor  # [K] detached mean loss per step
     step_accuracy: Tensor  # [K] top-1 agreement with the teacher per step
     step_count: Tensor  # [K] number of valid (stream, step) pairs
     acceptance_length: Tensor  # scalar, see simulated_acceptance_length
@@ -211,6 +263,8 @@ def ttt_loss(
     decay: float = 0.8,
     chunk_size: int = 1024,
     teacher_cache: int = 2**28,
+    loss: LossKind = "kl",
+    tv_weight: float = 0.5,
 ) -> TTTLoss:
     """Loss, accuracy and simulated acceptance of a TTT unroll (alignment as in ``ttt.py``).
 
@@ -227,7 +281,10 @@ def ttt_loss(
         teacher_cache: most floats of teacher probabilities ([rows, draft_vocab]) computed once
             and shared by the K steps; above it (or 0) each step recomputes its chunks, so peak
             memory stays O(chunk_size x draft_vocab).
+        loss, tv_weight: the per-token objective (module docstring): ``kl``, ``tv`` or
+            ``kl_tv`` = ``(1 - tv_weight) * kl + tv_weight * tv``.
     """
+    objective = objective_weights(loss, tv_weight)
     b, t, _ = step_states[0].shape
     ar = torch.arange(b * t, device=loss_mask.device).view(b, t)  # flat row of (b, t)
     grad = torch.is_grad_enabled()
@@ -249,9 +306,9 @@ def ttt_loss(
         teacher_index = draft_index + k + 1  # same row, position t + k + 1
         count = max(draft_index.numel(), 1)
         w = torch.full((draft_index.numel(),), 1.0 / count, device=states.device)
-        loss_k, draft_top1, teacher_top1_k = ChunkedSoftCrossEntropy.apply(
+        loss_k, draft_top1, teacher_top1_k = ChunkedDraftLoss.apply(
             states.reshape(b * t, -1), logits_weight, teacher,
-            draft_index, teacher_index, w, chunk_size, need_grad,
+            draft_index, teacher_index, w, chunk_size, need_grad, objective,
         )  # fmt: skip
         if teacher_top1 is not None:
             teacher_top1_k = teacher_top1.reshape(-1)[teacher_index]

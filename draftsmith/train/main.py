@@ -12,16 +12,23 @@ simulated acceptance length and the last one (for resuming: ``--ckpt_path last``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from draftsmith.console import say, stage_log
+from draftsmith.errors import ConfigError, exit_code
 from draftsmith.train.data import EagleDataModule
 from draftsmith.train.module import DraftModule
+from draftsmith.train.progress import ConsoleProgress
 
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed")
 
@@ -34,7 +41,25 @@ def wandb_has_key() -> bool:
 
 
 class TrainCLI(LightningCLI):
-    """LightningCLI with draftsmith's defaults and early checks."""
+    """LightningCLI with draftsmith's defaults, early checks and a quiet console."""
+
+    exit_stack: contextlib.ExitStack  # holds the stage log open until the run ends
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then send this process's logs to ``<default_root_dir>/train.log``."""
+        with warnings.catch_warnings():  # in-process calls (the pipeline) pass args on purpose
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        root = Path(config.trainer.default_root_dir or ".")
+        self.exit_stack.enter_context(stage_log(root / "train.log"))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        if self.subcommand == "fit":
+            trainer.callbacks.append(ConsoleProgress())
+        return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -52,13 +77,13 @@ class TrainCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         strategy = config.trainer.strategy
         if isinstance(strategy, str) and strategy not in STRATEGIES:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.strategy: unknown strategy {strategy!r}; use one of {list(STRATEGIES)} "
                 "or a class_path (e.g. lightning.pytorch.strategies.DeepSpeedStrategy with "
                 "init_args.config: configs/deepspeed/zero2.json)"
             )
-        if not Path(config.data.data).is_dir():
-            raise FileNotFoundError(
+        if not config.data.data or not Path(config.data.data).is_dir():
+            raise ConfigError(
                 f"data.data: {config.data.data} is not a directory; run `draftsmith extract` "
                 "first or point data.data at its output"
             )
@@ -72,21 +97,33 @@ class TrainCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> int:
-    """Run ``draftsmith train <fit|validate> ...``; returns 0 (errors raise)."""
+    """Run ``draftsmith train <fit|validate> ...``; bad options end in one line, exit 2."""
+    return exit_code("draftsmith train", lambda: run_stage(args))
+
+
+def run_stage(args: list[str] | None) -> int:
     on_gpu = torch.cuda.is_available()
-    TrainCLI(
-        DraftModule,
-        EagleDataModule,
-        args=args,
-        trainer_defaults={
-            "precision": "bf16-mixed" if on_gpu else "32-true",
-            "use_distributed_sampler": False,  # EagleDataModule deals rows to ranks itself
-            "log_every_n_steps": 10,
-        },
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "draftsmith train"},
-        run=True,
-    )
+    with contextlib.ExitStack() as stack:
+        TrainCLI.exit_stack = stack
+        cli = TrainCLI(
+            DraftModule,
+            EagleDataModule,
+            args=args,
+            trainer_defaults={
+                "precision": "bf16-mixed" if on_gpu else "32-true",
+                "use_distributed_sampler": False,  # EagleDataModule deals rows to ranks itself
+                "log_every_n_steps": 10,
+            },
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "draftsmith train"},
+            run=True,
+        )
+    if cli.subcommand == "fit" and cli.trainer.is_global_zero:
+        ckpt = cli.trainer.checkpoint_callback
+        best = getattr(ckpt, "best_model_path", "") or "none"
+        score = getattr(ckpt, "best_model_score", None)
+        score_text = f" (val acceptance length {float(score):.3f})" if score is not None else ""
+        say(f"train: {cli.trainer.global_step} steps; best checkpoint {best}{score_text}")
     return 0
 
 

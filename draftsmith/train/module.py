@@ -3,9 +3,11 @@
 Per batch (keys in ``data.py``): the teacher is the target's own next-token distribution,
 ``softmax(lm_head(final_norm(layer N)))``, computed here from the stored last-layer state and
 the target's frozen norm and lm_head, never stored. The head is unrolled ``ttt_steps`` times
-(``ttt.py``); step k's loss is the soft cross-entropy against the teacher over the draft
-vocabulary (``loss.py``), weighted ``loss_decay**k``. EAGLE-1 adds a smooth-L1 regression of
-its output on the target's next (final-normed) state, as in the EAGLE paper.
+(``ttt.py``); step k's loss is the soft cross-entropy (``loss: kl``), the total variation
+(``tv``) or their blend against the teacher over the draft vocabulary (``loss.py``), weighted
+``loss_decay**k``. EAGLE-1 adds a smooth-L1 regression of its output on the target's next
+(final-normed) state, as in the EAGLE paper. ``init_from_target`` starts the head from the
+target's top layers (``init.py``).
 
 The head itself is a plain ``nn.Module`` (``heads.py``) built in ``setup`` once the dataset is
 known, so that ``draftsmith export`` can rebuild it from a checkpoint alone (see ``checkpoint.py``).
@@ -23,13 +25,17 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 
-from draftsmith.extract.dataset import DatasetError
-from draftsmith.targets import read_target
+from draftsmith.console import say
+from draftsmith.errors import ConfigError
+from draftsmith.extract import DatasetError
+from draftsmith.targets import TargetInfo, read_target, text_config
 from draftsmith.train.data import PAD_DOC_ID, EagleDataModule, draft_vocab, token_counts
-from draftsmith.train.export import read_target_config
 from draftsmith.train.heads import from_target_config
+from draftsmith.train.init import init_from_target
 from draftsmith.train.loss import (
+    LossKind,
     acceptance_from_counts,
+    objective_weights,
     step_validity,
     teacher_argmax,
     ttt_loss,
@@ -47,7 +53,7 @@ def default_draft_vocab_size(vocab_size: int) -> int:
 
 def eos_ids(target_config: dict[str, Any]) -> list[int]:
     """End-of-sequence ids from the target's config (always kept in the draft vocabulary)."""
-    text = target_config.get("text_config") or target_config
+    text = text_config(target_config)
     eos = text.get("eos_token_id", target_config.get("eos_token_id"))
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
@@ -56,15 +62,28 @@ class DraftModule(pl.LightningModule):
     """Train an EAGLE-3 or EAGLE-1 head for the target a dataset was extracted from.
 
     Args:
-        kind: ``eagle3`` (fused low/mid/high states, reduced draft vocabulary) or ``eagle1``
-            (the target's final state, the target's lm_head).
+        kind: ``eagle3`` (fused low/mid/high states, reduced draft vocabulary) or ``eagle``
+            (EAGLE-1: the target's final state, the target's lm_head); vLLM's method names.
         target: the target model (directory, hub id or short name); default: the dataset's.
         num_layers: decoder layers in the head.
         ttt_steps: K, draft steps unrolled per batch (training-time test).
         loss_decay: step k's loss weight is ``loss_decay ** k``.
+        loss: per-token objective against the teacher: ``kl`` (soft cross-entropy), ``tv``
+            (total variation ``0.5 * sum |p_draft - p_teacher|``; a sampled draft token is
+            accepted with probability 1 - TV) or ``kl_tv`` (``(1 - tv_weight) * kl +
+            tv_weight * tv``).
+        tv_weight: ``kl_tv``: the weight of TV, in [0, 1].
         draft_vocab_size: EAGLE-3 draft vocabulary: the most frequent loss-masked tokens of
             the dataset (EOS always kept). Default: the full vocabulary up to 32k ids, else 32k.
         train_lm_head: EAGLE-3: train the draft lm_head (it starts from the target's rows).
+        init_from_target: start the draft's decoder layers as copies of the target's last
+            ``num_layers`` layers, ``fc`` passing the deepest tapped layer through (EAGLE-1:
+            the hidden half) and EAGLE-3's final norm as the target's; details in ``init.py``.
+            Needs the head's hidden size to equal the target's. Default: random init.
+        norm_before_fc: EAGLE-3: one RMSNorm over the fused tapped states before ``fc``
+            (vLLM's ``norm_before_fc``, weight ``input_norm.weight``).
+        fc_norm: EAGLE-3: one RMSNorm per tapped state before ``fc`` (vLLM's ``fc_norm``,
+            weights ``fc_norm.{i}.weight``); after ``norm_before_fc`` when both are on.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``.
@@ -81,13 +100,18 @@ class DraftModule(pl.LightningModule):
 
     def __init__(
         self,
-        kind: Literal["eagle3", "eagle1"] = "eagle3",
+        kind: Literal["eagle3", "eagle"] = "eagle3",
         target: str | None = None,
         num_layers: int = 1,
         ttt_steps: int = 7,
         loss_decay: float = 0.8,
+        loss: LossKind = "kl",
+        tv_weight: float = 0.5,
         draft_vocab_size: int | None = None,
         train_lm_head: bool = True,
+        init_from_target: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
         lr: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
@@ -104,6 +128,13 @@ class DraftModule(pl.LightningModule):
                 f"model: need ttt_steps >= 1, 0 < loss_decay <= 1 and lr > 0; got "
                 f"ttt_steps={ttt_steps}, loss_decay={loss_decay}, lr={lr}"
             )
+        objective_weights(loss, tv_weight)  # refuses an unknown loss or a bad tv_weight
+        for name, on in (("norm_before_fc", norm_before_fc), ("fc_norm", fc_norm)):
+            if on and kind != "eagle3":
+                raise ConfigError(
+                    f"model.{name}: normalises EAGLE-3's fused tapped states; set it false "
+                    f"for model.kind {kind}"
+                )
         self.save_hyperparameters()
         self.head: torch.nn.Module | None = None
         self.info: dict[str, Any] = {}  # what export needs: saved in every checkpoint
@@ -121,51 +152,67 @@ class DraftModule(pl.LightningModule):
             raise TypeError("DraftModule trains on an EagleDataModule (the `data:` section)")
         target = read_target(self.hparams.target or dm.target_path)
         dm.check_target(target)
-        self.build(target.path, dm.aux_layer_ids, dm.teacher_layer_id)
+        self.build(target, dm.aux_layer_ids, dm.teacher_layer_id)
         if self.hparams.kind == "eagle3":
             counts = token_counts(dm.dataset, target.vocab_size)
-            ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(self.target_config))
+            ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(target.config))
             self.set_draft_vocab(ids)
             covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
             self.info["draft_vocab_coverage"] = round(covered, 6)
-            print(f"draft vocab: {ids.numel()} ids cover {covered:.2%} of the loss tokens")
+            say(
+                f"train: draft vocabulary of {ids.numel():,} ids covers {covered:.2%} of the "
+                "loss tokens"
+            )
         self.info["data"] = {
             "path": str(dm.data),
+            "val_data": dm.val_data,
             "samples": len(dm.dataset),
             "tokens": int(dm.manifest.get("num_tokens", sum(dm.dataset.lengths))),
             "train_samples": len(dm.train_indices),
             "val_samples": len(dm.val_indices),
         }
 
-    def build(self, target: str, aux_layer_ids: list[int], teacher_layer_id: int) -> None:
+    def build(self, target: TargetInfo, aux_layer_ids: list[int], teacher_layer_id: int) -> None:
         """Build the head for ``target`` and load the frozen target tensors it shares."""
         kind = self.hparams.kind
-        n = read_target(target).num_hidden_layers
-        if kind == "eagle1" and aux_layer_ids != [n]:
+        n = target.num_hidden_layers
+        if kind == "eagle" and aux_layer_ids != [n]:
             raise DatasetError(
                 f"data.aux_layers: EAGLE-1 reads the target's last layer only; set "
                 f"data.aux_layers [{n}] (got {aux_layer_ids})"
             )
         if kind == "eagle3" and teacher_layer_id in aux_layer_ids:
             raise DatasetError(f"data.aux_layers: {aux_layer_ids} must not include layer {n}")
-        _, self.target_config = read_target_config(target)
-        vocab = (self.target_config.get("text_config") or self.target_config)["vocab_size"]
-        options: dict[str, Any] = {"num_layers": self.hparams.num_layers}
+        vocab = target.vocab_size
+        hp = self.hparams
+        options: dict[str, Any] = {"num_layers": hp.num_layers}
         if kind == "eagle3":
-            size = self.hparams.draft_vocab_size or default_draft_vocab_size(vocab)
+            size = hp.draft_vocab_size or default_draft_vocab_size(vocab)
+            if size < 1:
+                raise ConfigError(
+                    f"model.draft_vocab_size: {size}; give a positive size or null (the "
+                    f"target's vocabulary up to {default_draft_vocab_size(vocab):,} ids)"
+                )
+            if size > vocab:  # a draft vocabulary larger than the target's is the target's
+                say(f"train: model.draft_vocab_size {size} > the target's vocabulary {vocab}: "
+                    f"using all {vocab} ids")  # fmt: skip
+                size = vocab
             options.update(draft_vocab_size=size, num_aux_states=len(aux_layer_ids))
-        head = from_target_config(self.target_config, kind, **options)
+            options.update(norm_before_fc=hp.norm_before_fc, fc_norm=hp.fc_norm)
+        head = from_target_config(target.config, kind, **options)
         weights = load_target_weights(target)
         head.set_embeddings(weights.embed)
-        if kind == "eagle1":
+        if kind == "eagle":
             head.set_lm_head(weights.lm_head)
+        if hp.init_from_target:
+            self.info["init_from_target_layers"] = init_from_target(head, target, weights.norm)
         self.norm_eps = weights.norm_eps
         self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
         self.register_buffer("target_norm", weights.norm, persistent=False)
         self.head = head
         self.info.update(
             kind=kind,
-            target=target,
+            target=target.path,
             head_kwargs=head.init_kwargs,
             layer_ids=aux_layer_ids if kind == "eagle3" else None,
         )
@@ -202,7 +249,7 @@ class DraftModule(pl.LightningModule):
         hp, head = self.hparams, self.head
         teacher = self.teacher(batch)
         states = batch["aux_states"]
-        if hp.kind == "eagle1":
+        if hp.kind == "eagle":
             states = teacher  # EAGLE-1 reads the target's final-normed state
         steps = ttt_unroll(
             head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
@@ -219,9 +266,10 @@ class DraftModule(pl.LightningModule):
         out = ttt_loss(
             steps, head.logits_weight, teacher, teacher_weight, batch["loss_mask"],
             batch["doc_ids"], top1, hp.loss_decay, hp.loss_chunk_size,
+            loss=hp.loss, tv_weight=hp.tv_weight,
         )  # fmt: skip
         loss = out.loss
-        if hp.kind == "eagle1":
+        if hp.kind == "eagle":
             loss = hp.ce_weight * loss + hp.regression_weight * self.regression(
                 steps, teacher, batch
             )

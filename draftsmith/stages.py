@@ -1,0 +1,63 @@
+"""The one table of draftsmith's commands, read by the ``draftsmith`` command and the pipeline.
+
+Each command is a module whose ``main(args=None)`` runs it; modules are imported only when
+their command runs (vLLM and Lightning are slow to import), so ``draftsmith --help`` stays
+fast. The pipeline chains the four ``PIPELINE`` stages in order.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    """Module whose ``main(args=None) -> int`` runs the command."""
+    help: str
+    """One line for ``draftsmith --help``."""
+    config: str | None = None
+    """``module:Class`` of the command's typed config (what a pipeline dry run parses);
+    None for commands with a parser of their own (the train stage's LightningCLI)."""
+
+    def main(self) -> Callable[[list[str] | None], int]:
+        return importlib.import_module(self.module).main
+
+    def config_class(self) -> type:
+        module, _, name = (self.config or "").partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+COMMANDS = {
+    "extract": Command(
+        "draftsmith.extract.main",
+        "capture target hidden states into a dataset",
+        "draftsmith.extract.config:ExtractConfig",
+    ),
+    "train": Command("draftsmith.train.main", "train a draft head (LightningCLI: fit, validate)"),
+    "export": Command(
+        "draftsmith.train.checkpoint",
+        "write a trained head as a directory vLLM serves",
+        "draftsmith.train.checkpoint:ExportConfig",
+    ),
+    "eval": Command(
+        "draftsmith.evaluate.main",
+        "measure a head's acceptance and speed in vLLM",
+        "draftsmith.evaluate.config:EvalConfig",
+    ),
+    "pipeline": Command(
+        "draftsmith.pipelines.main", "extract -> train -> export -> eval, resumable"
+    ),
+    "study": Command(
+        "draftsmith.pipelines.study", "vary one knob at a time, measure each head in vLLM"
+    ),
+    "bench-train": Command("draftsmith.train.bench", "time training steps of a head (tokens/s)"),
+    "bench-extract": Command(
+        "draftsmith.extract.bench", "time extraction against plain generation and HF"
+    ),
+}
+
+PIPELINE = ("extract", "train", "export", "eval")
+"""The stages ``draftsmith pipeline`` chains, in order."""
