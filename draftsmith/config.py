@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import yaml
 from jsonargparse import ArgumentParser, set_parsing_settings
+
+from draftsmith.errors import ConfigError
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -39,3 +42,48 @@ def parse_config(cls: type[T], args: list[str] | None, prog: str) -> T:
 def to_dict(config) -> dict:
     """A dataclass config as plain JSON-able data (for manifests and reports)."""
     return dataclasses.asdict(config)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` merged in at every depth (``extra`` wins)."""
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
+def section_overrides(
+    args: list[str], sections: tuple[str, ...]
+) -> tuple[list[str], dict[str, Any]]:
+    """Split ``--<section>.<key...> VALUE`` (or ``=VALUE``) out of ``args``, for each
+    section in ``sections`` (dict-valued config fields that pass through unparsed).
+
+    Returns the other arguments and ``{"train.model.lr": 0.001, ...}``; values are read as
+    YAML, so ``'[a.jsonl, b.jsonl]'`` is a list and ``3e-4`` a number."""
+    rest: list[str] = []
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, sep, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if key.split(".", 1)[0] in sections and "." in key:
+            if not sep:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"--{key}: no value given; write --{key} VALUE")
+                value, i = args[i + 1], i + 1
+            overrides[key] = yaml.safe_load(value) if value.strip() else value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree["a"]["b"]["c"] = value`` for ``"a.b.c"``, creating the levels between."""
+    *path, last = dotted.split(".")
+    node = tree
+    for key in path:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    node[last] = value

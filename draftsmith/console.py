@@ -42,6 +42,26 @@ def progress(total: int | None, desc: str, unit: str = "it", **kw):
     return tqdm(total=total, desc=desc, unit=unit, file=terminal(), dynamic_ncols=True, **kw)
 
 
+def _writes_to_fd(stream: TextIO, fd: int) -> bool:
+    try:
+        return stream.fileno() == fd
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _python_streams_to(log: TextIO) -> Iterator[None]:
+    """Point sys.stdout/sys.stderr at ``log`` only where they do not write to fds 1 and 2
+    (notebooks, pytest's capture). Where they do, the fd redirection already covers them,
+    and loggers that keep a reference to them (vLLM's) never hold a file that closes."""
+    with contextlib.ExitStack() as stack:
+        if not _writes_to_fd(sys.stdout, 1):
+            stack.enter_context(contextlib.redirect_stdout(log))
+        if not _writes_to_fd(sys.stderr, 2):
+            stack.enter_context(contextlib.redirect_stderr(log))
+        yield
+
+
 @contextlib.contextmanager
 def stage_log(path: Path | str) -> Iterator[Path | None]:
     """Send fds 1 and 2 to ``path`` (appending) for the block; yield the log's path.
@@ -64,8 +84,8 @@ def stage_log(path: Path | str) -> Iterator[Path | None]:
     with open(path, "a", buffering=1) as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        try:  # Python-level streams too, where something replaced sys.stdout (notebooks)
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+            with _python_streams_to(log):
                 yield path
         finally:
             sys.stdout.flush()

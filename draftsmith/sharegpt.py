@@ -40,7 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from draftsmith.sources import DataError, SkipLog, _package_dir, parse_row
+from draftsmith.prompt_sets import package_dir
+from draftsmith.sources import DataError, SkipLog, parse_row
 
 NAME = "sharegpt"
 FORMS = "sharegpt[:full][@train|@heldout]"
@@ -70,7 +71,7 @@ def parse_spec(spec: str) -> tuple[bool, str]:
 
 def corpus_path() -> Path:
     """The corpus file of the installed package (tests point this at a small copy)."""
-    path = _package_dir(PACKAGE, PIP_NAME, NAME) / "data" / FILENAME
+    path = package_dir(PACKAGE, PIP_NAME, NAME) / "data" / FILENAME
     if not path.is_file():
         raise DataError(
             f"data: {NAME}: {path} is missing; reinstall: "

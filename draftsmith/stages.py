@@ -38,9 +38,9 @@ COMMANDS = {
     ),
     "train": Command("draftsmith.train.main", "train a draft head (LightningCLI: fit, validate)"),
     "export": Command(
-        "draftsmith.train.checkpoint",
+        "draftsmith.train.export",
         "write a trained head as a directory vLLM serves",
-        "draftsmith.train.checkpoint:ExportConfig",
+        "draftsmith.train.export:ExportConfig",
     ),
     "eval": Command(
         "draftsmith.evaluate.main",

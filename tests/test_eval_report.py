@@ -380,12 +380,12 @@ def test_report_names_each_methods_fastest_k(tmp_path):
 
 
 def test_one_measured_k_draws_bars_not_a_lone_point(tmp_path, monkeypatch):
-    from draftsmith.evaluate import report
+    from draftsmith.evaluate import plots
 
     results = make_results()
     results["runs"] = [r for r in results["runs"] if r["k"] in (None, 3)]
     drawn = []
-    monkeypatch.setattr(report, "_speedup_bars", lambda ax, *a: drawn.append(a))
+    monkeypatch.setattr(plots, "_speedup_bars", lambda ax, *a: drawn.append(a))
     write_report(results, tmp_path, wandb=False)
     assert len(drawn) == 1 and set(drawn[0][0]) == {"mt_bench", "humaneval"}
     drawn.clear()

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.targets import read_target
-from draftsmith.train.export import export_head, head_config
+from draftsmith.train.headdir import export_head, head_config
 from draftsmith.train.heads import from_target_config
 
 LAYER = [

@@ -11,15 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.export import head_config
-from draftsmith.train.heads import (
-    Eagle1Head,
-    Eagle3Head,
-    RMSNorm,
-    RotaryEmbedding,
-    from_target_config,
-    rope_inv_freq,
-)
+from draftsmith.train.headdir import head_config
+from draftsmith.train.heads import Eagle1Head, Eagle3Head, from_target_config
+from draftsmith.train.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
 from draftsmith.train.ttt import ttt_unroll
 
 TARGET = {

@@ -139,7 +139,7 @@ def test_module_options_are_checked_and_wired(target) -> None:
 
 def test_new_options_fit_checkpoint_and_export(tmp_path, tiny_dataset) -> None:
     from draftsmith.cli import main as cli_main
-    from draftsmith.train.checkpoint import read_checkpoint
+    from draftsmith.train.export import read_checkpoint
     from draftsmith.train.main import main as train_main
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml"

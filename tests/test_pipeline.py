@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.pipelines.main import (
-    TRAIN_STARTUP_S,
-    PipelineConfig,
-    PipelineError,
-    Plan,
-    parse_pipeline,
-    train_time,
-)
+from draftsmith.pipelines.config import PipelineConfig, PipelineError, parse_pipeline
 from draftsmith.pipelines.main import main as pipeline_main
+from draftsmith.pipelines.plan import TRAIN_STARTUP_S, Plan, train_time
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pipelines"
 

@@ -14,8 +14,8 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.cli import main as cli_main
-from draftsmith.train.checkpoint import CheckpointError, read_checkpoint
 from draftsmith.train.data import EagleDataModule
+from draftsmith.train.export import CheckpointError, read_checkpoint
 from draftsmith.train.main import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]

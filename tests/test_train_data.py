@@ -16,18 +16,16 @@ from draftsmith.extract.dataset import DatasetError, open_dataset
 from draftsmith.extract.store import write_shard
 from draftsmith.files import write_json_atomic
 from draftsmith.targets import TargetInfo
-from draftsmith.train.data import (
+from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.loss import step_validity
+from draftsmith.train.packing import (
     PAD_DOC_ID,
-    EagleDataModule,
     PackedDataset,
     RowSampler,
     collate,
-    draft_vocab,
     pack,
     split_samples,
-    token_counts,
 )
-from draftsmith.train.loss import step_validity
 from draftsmith.train.ttt import document_causal_mask, shift_tokens
 
 LAYER_IDS = [2, 4, 5, 8]

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from helpers import LargestTensor
 
-from draftsmith.train.heads import Eagle1Head, Eagle3Head, repeat_kv
+from draftsmith.train.heads import Eagle1Head, Eagle3Head
+from draftsmith.train.layers import repeat_kv
 from draftsmith.train.ttt import (
     PrefixAttention,
     TTTAttention,

@@ -24,18 +24,16 @@ from typing import Any
 
 import yaml
 
-from draftsmith.config import parse_config
+from draftsmith.config import parse_config, section_overrides, set_dotted
 from draftsmith.console import say
 from draftsmith.errors import DraftsmithError, exit_code
 from draftsmith.files import write_json_atomic
-from draftsmith.pipelines.main import (
+from draftsmith.pipelines.config import (
     SECTIONS,
     PipelineError,
     parse_pipeline,
-    run,
-    section_overrides,
-    set_dotted,
 )
+from draftsmith.pipelines.main import run
 
 # Plain YAML values: ``Any`` would let the parser instantiate ``class_path`` dicts (loggers).
 Overrides = dict[str, None | bool | int | float | str | list | dict]
@@ -74,7 +72,7 @@ def parse_study(args: list[str] | None) -> StudyConfig:
     """The study's options; ``--<stage>.<key> VALUE`` arguments join ``common`` (after the
     YAML's), so they apply to every point and a point's own overrides still win."""
     args = list(sys.argv[1:] if args is None else args)
-    rest, overrides = section_overrides(args)
+    rest, overrides = section_overrides(args, SECTIONS)
     cfg = parse_config(StudyConfig, rest, prog="draftsmith study")
     return dataclasses.replace(cfg, common={**cfg.common, **overrides})
 
@@ -107,6 +105,7 @@ def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict
         "point": name,
         "overrides": overrides,
         "seconds": {s: e["seconds"] for s, e in stages.items()},
+        "dirs": {s: e["dir"] for s, e in stages.items()},
         "reused": [s for s, e in stages.items() if e["status"] in ("skipped", "given")],
     }
     metrics = train_metrics(Path(stages["train"]["dir"])) if "train" in stages else {}

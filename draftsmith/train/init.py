@@ -31,7 +31,8 @@ from torch import Tensor
 
 from draftsmith.errors import ConfigError
 from draftsmith.targets import TargetInfo
-from draftsmith.train.heads import DecoderLayer, Eagle1Head, Eagle3Head
+from draftsmith.train.heads import Eagle1Head, Eagle3Head
+from draftsmith.train.layers import DecoderLayer
 from draftsmith.train.weights import load_target_layer
 
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")

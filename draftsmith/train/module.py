@@ -29,7 +29,7 @@ from draftsmith.console import say
 from draftsmith.errors import ConfigError
 from draftsmith.extract import DatasetError
 from draftsmith.targets import TargetInfo, read_target, text_config
-from draftsmith.train.data import PAD_DOC_ID, EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.init import init_from_target
 from draftsmith.train.loss import (
@@ -40,6 +40,7 @@ from draftsmith.train.loss import (
     teacher_argmax,
     ttt_loss,
 )
+from draftsmith.train.packing import PAD_DOC_ID
 from draftsmith.train.ttt import ttt_unroll
 from draftsmith.train.weights import load_target_weights
 

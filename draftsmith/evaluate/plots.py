@@ -1,0 +1,149 @@
+"""The evaluate stage's plots: per-position acceptance, acceptance length and tokens per
+step against k, and speedup against no speculation (bars when a single k was timed).
+
+Each plot function takes the runs of one temperature and returns whether it drew anything;
+a plot without data is not written, and a stale one from an earlier run is removed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.figure import Figure  # the OO API renders with Agg: no display, no pyplot
+
+
+def drafter(results: dict) -> str | None:
+    """The method the plots follow: the head's, else a draft model's, else none."""
+    if results.get("head"):
+        return results["head"]["method"]
+    return "draft_model" if any(r["method"] == "draft_model" for r in results["runs"]) else None
+
+
+def by_dataset(runs: list[dict], method: str, field: str) -> dict[str, list[dict]]:
+    """Runs of `method` with `field` set, per dataset, sorted by k."""
+    out: dict[str, list[dict]] = {}
+    for r in sorted(runs, key=lambda r: r["k"] or 0):
+        if r["method"] == method and r.get(field) is not None:
+            out.setdefault(r["dataset"], []).append(r)
+    return out
+
+
+def plot_per_position(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Bars: per-position acceptance of `method` at its largest k, one group per dataset."""
+    largest = {d: rs[-1] for d, rs in by_dataset(runs, method, "per_position").items()}
+    if not largest:
+        return False
+    n = max(len(r["per_position"]) for r in largest.values())
+    width = 0.8 / n
+    fig = Figure(figsize=(max(6.0, 1.2 * n * len(largest) + 2), 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for i in range(n):
+        xs = [j for j, r in enumerate(largest.values()) if len(r["per_position"]) > i]
+        ys = [r["per_position"][i] for r in largest.values() if len(r["per_position"]) > i]
+        bars = ax.bar([x + (i - (n - 1) / 2) * width for x in xs], ys, width, label=f"pos {i + 1}")
+        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7)
+    ax.set_xticks(range(len(largest)), [f"{d}\n(k={r['k']})" for d, r in largest.items()])
+    ax.set(ylim=(0, 1.08), ylabel="accepted / drafts")
+    ax.set_title(f"{method}: per-position acceptance at its largest k {title}")
+    ax.legend(title="draft position", fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def plot_length_vs_k(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Lines: acceptance length and tokens/step vs k per dataset; ngram as markers."""
+    head = by_dataset(runs, method, "acceptance_length")
+    if not head:
+        return False
+    ngram = by_dataset(runs, "ngram", "acceptance_length")
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2, sharex=True)
+    fields = {"acceptance_length": "acceptance length", "tokens_per_step": "tokens / step"}
+    for ax, (field, label) in zip(axes, fields.items(), strict=True):
+        for i, (dataset, rs) in enumerate(head.items()):
+            ks, ys = [r["k"] for r in rs], [r[field] for r in rs]
+            ax.plot(ks, ys, "o-", color=f"C{i}", label=dataset)
+            if dataset in ngram:
+                ks, ys = zip(*((r["k"], r[field]) for r in ngram[dataset]), strict=True)
+                ax.plot(ks, ys, "x", ms=9, mew=2, color=f"C{i}", label=f"ngram, {dataset}")
+        ax.set(xlabel="k (draft tokens)", ylabel=label, title=f"{method}: {label} {title}")
+        ax.grid(alpha=0.3)
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def plot_speedup_vs_k(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Speedup vs none by k per dataset; ngram's best as a dashed line per dataset."""
+    head = by_dataset(runs, method, "speedup_vs_none")
+    if not head:
+        return False
+    ngram = by_dataset(runs, "ngram", "speedup_vs_none")
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speculation")
+    if all(len(rs) == 1 for rs in head.values()):  # one measured k: bars, not a lone point
+        _speedup_bars(ax, head, ngram, method)
+        ax.set_title(f"{method}: speedup vs no speculation {title}")
+        fig.savefig(path, dpi=120)
+        return True
+    for i, (dataset, rs) in enumerate(head.items()):
+        ys = [r["speedup_vs_none"] for r in rs]
+        ax.plot([r["k"] for r in rs], ys, "o-", color=f"C{i}", label=dataset)
+        if dataset in ngram:
+            best = max(ngram[dataset], key=lambda r: r["speedup_vs_none"])
+            label = f"ngram, {dataset} (best: k={best['k']})"
+            ax.axhline(best["speedup_vs_none"], color=f"C{i}", ls="--", label=label)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="k (draft tokens)", ylabel="output tok/s ÷ no speculation")
+    ax.set_title(f"{method}: speedup vs no speculation {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _speedup_bars(ax, head: dict, ngram: dict, method: str) -> None:
+    """Per dataset: the head's speedup at its one k beside ngram's best."""
+    datasets = list(head)
+    rows = [(method, [head[d][0] for d in datasets])]
+    if ngram:
+        best = [max(ngram[d], key=lambda r: r["speedup_vs_none"]) if d in ngram else None
+                for d in datasets]  # fmt: skip
+        rows.append(("ngram (best k)", best))
+    width = 0.8 / len(rows)
+    for i, (label, rs) in enumerate(rows):
+        shown = [(j, r) for j, r in enumerate(rs) if r]
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j, _ in shown]
+        bars = ax.bar(xs, [r["speedup_vs_none"] for _, r in shown], width, label=label)
+        labels = [f"{r['speedup_vs_none']:.2f} (k={r['k']})" for _, r in shown]
+        ax.bar_label(bars, labels=labels, fontsize=7)
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set(ylabel="output tok/s ÷ no speculation")
+    ax.legend(fontsize=8)
+
+
+PLOTS = {  # file name: plot(runs, method, title suffix, path) -> written
+    "acceptance_per_position.png": plot_per_position,
+    "acceptance_length_vs_k.png": plot_length_vs_k,
+    "speedup_vs_k.png": plot_speedup_vs_k,
+}
+
+
+def write_plots(results: dict, out_dir: Path) -> list[str]:
+    """Write every plot there is data for (greedy runs if any); return the file names."""
+    method = drafter(results)
+    written = []
+    if method is not None and results["runs"]:
+        temps = {r["temperature"] for r in results["runs"]}
+        temperature = 0.0 if 0.0 in temps else min(temps)
+        runs = [r for r in results["runs"] if r["temperature"] == temperature]
+        written = [
+            name
+            for name, plot in PLOTS.items()
+            if plot(runs, method, f"(temperature {float(temperature)})", out_dir / name)
+        ]
+    for name in PLOTS.keys() - written:  # a stale plot from an earlier run would mislead
+        (out_dir / name).unlink(missing_ok=True)
+    return written

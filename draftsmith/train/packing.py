@@ -1,0 +1,225 @@
+"""Packing: samples of a draftsmith dataset as fixed-length rows, dealt to ranks, resumable.
+
+A row holds whole samples ("documents") back to back, ``row_tokens`` tokens in all, then
+padding. Batch convention (B rows of T = ``row_tokens`` tokens, target hidden size H):
+
+- ``input_ids`` long [B, T]: token ids; 0 on padding.
+- ``aux_states`` [B, T, n_aux * H]: the tapped layers that feed the head (``aux_layer_ids``,
+  by default every tapped layer but the last), concatenated in ascending layer-id order.
+- ``teacher_states`` [B, T, H]: layer id N = the target's ``num_hidden_layers``, i.e. its
+  last layer's output before the final norm; row p is the state that predicts x_{p+1}.
+- ``position_ids`` long [B, T]: 0, 1, ... restarting at every document (and at the padding).
+- ``doc_ids`` long [B, T]: 0, 1, ... for the documents of a row; ``PAD_DOC_ID`` (-1) on
+  padding, so that padding never attends to, or is attended by, a real token
+  (``ttt.document_causal_mask``) and no shifted token or label crosses into it.
+- ``loss_mask`` bool [B, T]: true on assistant tokens; false on padding.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from draftsmith.extract import DatasetError, HiddenStatesDataset
+
+PAD_DOC_ID = -1
+
+
+def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -> list[list[int]]:
+    """Best-fit-decreasing packing of sample indices into rows of at most ``row_tokens``.
+
+    Samples longer than ``row_tokens`` count as ``row_tokens`` (they are truncated when read).
+    Every index appears exactly once. ``shuffle_seed`` None: ties keep index order and rows
+    come in packing order; an int: ties are broken and the rows ordered at random, the same
+    way for the same seed.
+    """
+    if row_tokens < 1:
+        raise ValueError(f"row_tokens must be >= 1, got {row_tokens}")
+    order = list(range(len(lengths)))
+    gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
+    if gen is not None:
+        order = torch.randperm(len(lengths), generator=gen).tolist()
+    order.sort(key=lambda i: -min(lengths[i], row_tokens))  # stable: ties keep `order`
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, row), sorted; full rows are dropped
+    for i in order:
+        n = min(lengths[i], row_tokens)
+        k = bisect.bisect_left(free, (n, -1))  # the row with the least room that fits
+        if k < len(free):
+            space, r = free.pop(k)
+        else:
+            space, r = row_tokens, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if space > n:
+            bisect.insort(free, (space - n, r))
+    if gen is not None:
+        rows = [rows[r] for r in torch.randperm(len(rows), generator=gen).tolist()]
+    return rows
+
+
+def split_samples(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, val) sample indices, each sorted: a seeded random ``val_fraction`` of ``n``
+    for validation, at least 1 when ``n >= 2`` and ``val_fraction > 0``, never all unless
+    ``val_fraction`` is 1 (everything is validation: for ``validate`` on a whole dataset)."""
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"data.val_fraction must be in [0, 1], got {val_fraction}")
+    if val_fraction == 1.0:
+        return [], list(range(n))
+    n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 and val_fraction > 0 else 0
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def teacher_layer_id(manifest: dict[str, Any], where: object = "the dataset") -> int:
+    """Layer id N of the teacher states; raises unless the dataset tapped layer N."""
+    ids, n = list(manifest["layer_ids"]), int(manifest["target"]["num_hidden_layers"])
+    if not ids or ids[-1] != n:
+        raise DatasetError(
+            f"{where}: the dataset has no last-layer states for the teacher: its layer_ids "
+            f"{ids} lack {n}, the target's num_hidden_layers (the teacher is the last layer's "
+            f"output before the final norm). Re-extract with `--layer_ids "
+            f"{sorted({*ids, n})}` (any taps, as long as {n} is among them)."
+        )
+    return n
+
+
+def resolve_aux_layers(layer_ids: list[int], aux_layers: list[int] | None) -> list[int]:
+    """The layer ids that feed the head, ascending; default: all tapped layers but the last."""
+    if aux_layers is None:
+        return list(layer_ids[:-1])
+    missing = [i for i in aux_layers if i not in layer_ids]
+    if missing or not aux_layers or len(set(aux_layers)) != len(aux_layers):
+        raise DatasetError(
+            f"aux_layers: {aux_layers} must be distinct, non-empty and among the dataset's "
+            f"tapped layer_ids {layer_ids} (missing: {missing})"
+        )
+    return sorted(aux_layers)
+
+
+class PackedDataset(Dataset):
+    """Rows of packed samples; item ``r`` is one row, padded to ``row_tokens`` (see module).
+
+    Args:
+        ds: the opened dataset; its hidden states come out in ``ds.dtype``.
+        rows: sample indices of each row (from ``pack``).
+        row_tokens: T, the row length; a sample longer than T is cut to its first T tokens.
+        aux_layers: layer ids that feed the head (default: all tapped layers but the last).
+    """
+
+    def __init__(
+        self,
+        ds: HiddenStatesDataset,
+        rows: list[list[int]],
+        row_tokens: int,
+        aux_layers: list[int] | None = None,
+    ) -> None:
+        self.ds, self.rows, self.row_tokens = ds, rows, row_tokens
+        self.teacher_layer_id = teacher_layer_id(ds.manifest, ds.path)
+        self.aux_layer_ids = resolve_aux_layers(ds.layer_ids, aux_layers)
+        self._aux = torch.tensor([ds.layer_ids.index(i) for i in self.aux_layer_ids])
+        self._teacher = ds.layer_ids.index(self.teacher_layer_id)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, r: int) -> dict[str, Tensor]:
+        t, h, dtype = self.row_tokens, self.ds.hidden_size, self.ds.dtype
+        aux = torch.zeros(t, len(self.aux_layer_ids) * h, dtype=dtype)  # [T, n_aux * H]
+        teacher = torch.zeros(t, h, dtype=dtype)  # [T, H]
+        input_ids = torch.zeros(t, dtype=torch.long)
+        position_ids = torch.zeros(t, dtype=torch.long)
+        doc_ids = torch.full((t,), PAD_DOC_ID, dtype=torch.long)
+        loss_mask = torch.zeros(t, dtype=torch.bool)
+        start = 0
+        for doc, i in enumerate(self.rows[r]):
+            sample = self.ds[i]
+            n = min(sample["input_ids"].numel(), t - start)
+            span = slice(start, start + n)
+            states = sample["hidden_states"][:n]  # [n, L, H]
+            aux[span] = states[:, self._aux].reshape(n, -1)
+            teacher[span] = states[:, self._teacher]
+            input_ids[span] = sample["input_ids"][:n]
+            loss_mask[span] = sample["loss_mask"][:n]
+            position_ids[span] = torch.arange(n)
+            doc_ids[span] = doc
+            start += n
+        position_ids[start:] = torch.arange(t - start)
+        return {
+            "input_ids": input_ids,
+            "aux_states": aux,
+            "teacher_states": teacher,
+            "position_ids": position_ids,
+            "doc_ids": doc_ids,
+            "loss_mask": loss_mask,
+        }
+
+
+def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Stack rows: each key ``[T, ...]`` -> ``[B, T, ...]``."""
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def add_noise(batch: dict[str, Tensor], std: float) -> dict[str, Tensor]:
+    """``aux_states`` + i.i.d. Gaussian N(0, std^2) per element on real tokens (not padding)."""
+    real = (batch["doc_ids"] != PAD_DOC_ID).unsqueeze(-1)  # [B, T, 1]
+    aux = batch["aux_states"]
+    return {**batch, "aux_states": aux + torch.randn_like(aux) * std * real}
+
+
+class RowSampler(Sampler[int]):
+    """This rank's rows of one epoch: a permutation seeded by ``seed + epoch`` (None: in
+    order), padded by wrapping to a multiple of ``world_size`` and dealt round-robin.
+
+    ``skip`` rows are left out of the next pass only: that is how a run resumed mid-epoch
+    continues where it stopped instead of replaying the epoch (``ResumableLoader``).
+    """
+
+    def __init__(self, num_rows: int, seed: int | None, rank: int = 0, world_size: int = 1):
+        self.num_rows, self.seed, self.rank, self.world_size = num_rows, seed, rank, world_size
+        self.epoch, self.skip = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.skip = epoch, 0
+
+    def order(self) -> list[int]:
+        if self.seed is None:
+            rows = list(range(self.num_rows))
+        else:
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            rows = torch.randperm(self.num_rows, generator=gen).tolist()
+        padded = -(-self.num_rows // self.world_size) * self.world_size
+        rows += rows[: padded - self.num_rows] if rows else []
+        return rows[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        rows, self.skip = self.order()[self.skip :], 0
+        return iter(rows)
+
+    def __len__(self) -> int:
+        return -(-self.num_rows // self.world_size)  # the whole epoch, as Lightning counts it
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader over a ``RowSampler`` whose position Lightning saves in checkpoints.
+
+    ``batches_done()`` tells how many batches of the epoch the trainer has finished; a
+    checkpoint stores it (with the epoch), and loading it makes the next pass skip them.
+    """
+
+    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.sampler.epoch, "batches_done": self.batches_done()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.epoch = state["epoch"]
+        self.sampler.skip = state["batches_done"] * (self.batch_size or 1)
