@@ -123,6 +123,9 @@ def run(cfg: ExtractConfig) -> dict:
     engine = _LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
     if todo:
         say(f"extract: starting vLLM ({target.path}, layers {layer_ids})")
+        if cfg.time_limit:
+            left = cfg.time_limit - (time.monotonic() - run_started)
+            say(f"extract: time_limit leaves {left:.0f} s: no shard starts that would end later")
         engine.get()  # start it before the clock: shard times measure capture alone
     started, tokens, stopped_by = time.monotonic(), 0, None
     bar = progress(sum(len(shards[k]) for k in todo), "extract", unit="sample")

@@ -188,7 +188,11 @@ class DraftModule(pl.LightningModule):
         hp = self.hparams
         options: dict[str, Any] = {"num_layers": hp.num_layers}
         if kind == "eagle3":
-            size = hp.draft_vocab_size or default_draft_vocab_size(vocab)
+            size = (
+                default_draft_vocab_size(vocab)
+                if hp.draft_vocab_size is None
+                else hp.draft_vocab_size
+            )
             if size < 1:
                 raise ConfigError(
                     f"model.draft_vocab_size: {size}; give a positive size or null (the "
