@@ -242,13 +242,18 @@ def _self_count(spec: str) -> int:
 def summary(man: dict) -> str:
     """A few lines for the terminal."""
     sk = man["skipped"]
+    top = sorted(sk["by_reason"].items(), key=lambda kv: -kv[1])[:3]
+    reasons = ", ".join(f"{n} {why}" for why, n in top) + (
+        ", ..." if len(sk["by_reason"]) > 3 else ""
+    )
     return (
         f"dataset: {man['num_samples']} samples, {man['num_tokens']:,} tokens "
-        f"({man['num_loss_tokens']:,} in loss) in {len(man['shards'])} shards; "
-        f"layers {man['layer_ids']} as {man['storage_dtype']} "
-        f"({man['bytes_per_token']:,} bytes/token); skipped {sk['count']} {sk['by_reason']}, "
-        f"truncated {sk['truncated']}; complete: {man['complete']}"
+        f"({man['num_loss_tokens']:,} in loss) in {len(man['shards'])} of "
+        f"{man['num_shards_planned']} shards"
         + (f" (stopped by {man['stopped_by']})" if man.get("stopped_by") else "")
+        + f"; layers {man['layer_ids']} as {man['storage_dtype']}; skipped {sk['count']}"
+        + (f" ({reasons}; all in manifest.json)" if sk["count"] else "")
+        + f", truncated {sk['truncated']}"
     )
 
 
