@@ -7,7 +7,6 @@ end is whichever comes first, the step count or the time cap.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -21,7 +20,6 @@ class ConsoleProgress(Callback):
 
     def __init__(self) -> None:
         self.bar = None
-        self.started = 0.0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -29,7 +27,6 @@ class ConsoleProgress(Callback):
         total_steps = getattr(pl_module, "total_steps", None)
         total = total_steps() if callable(total_steps) else None
         self.bar = progress(total, "train", unit="step", initial=trainer.global_step)
-        self.started = time.monotonic()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
