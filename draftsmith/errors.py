@@ -22,6 +22,10 @@ class ConfigError(DraftsmithError):
     """An option has a value that cannot work; the message names it and the fix."""
 
 
+class DatasetError(DraftsmithError):
+    """A dataset directory that is missing, unfinished, corrupt or of an unknown format."""
+
+
 def report(prog: str, err: BaseException) -> int:
     """Print ``err`` as one line naming the command; return the exit status 2."""
     message = " ".join(str(err).split("\n"))

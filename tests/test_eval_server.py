@@ -18,9 +18,9 @@ from draftsmith.evaluate.counters import (
     SpecCounters,
     from_offline_metrics,
     from_prometheus_text,
-    parse_prometheus,
     tokens_per_step,
 )
+from draftsmith.evaluate.prometheus import parse_prometheus
 from draftsmith.evaluate.server import (
     ServerError,
     check_loopback,

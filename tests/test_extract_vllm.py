@@ -119,79 +119,40 @@ def test_states_equal_transformers_without_regeneration(tmp_path, tiny_model_dir
         assert ds[i]["loss_mask"].int().tolist() == ref.loss_mask
 
 
-def test_regeneration_on_smollm2_with_self_written_prompts(tmp_path, smollm2_dir, tokenizer):
-    """The real chat model writes prompts, answers them, and the states match transformers."""
-    data = write_jsonl(tmp_path / "multi.jsonl", [CHATS[2]])
-    out = tmp_path / "regen"
-    extract(
-        [
-            f"--model={smollm2_dir}",
-            f"--data=[self:3,{data}]",
-            f"--output={out}",
-            "--regenerate=true",
-            "--max_new_tokens=40",
-            "--dtype=float32",
-        ]
-    )
-    ds = open_dataset(out)
-    assert len(ds) == 4
-    prompts = [
-        json.loads(x)["prompt"] for x in (out / "prompts.self.jsonl").read_text().split("\n") if x
-    ]
-    assert len(set(prompts)) == 3 and all(len(p) >= 12 for p in prompts)
-    for i in range(len(ds)):
-        sample = ds[i]
-        text = tokenizer.decode(sample["input_ids"][sample["loss_mask"]])
-        assert "<|im_start|>user" not in text  # no user turn is ever in the loss
-        assert sample["loss_mask"][-1]  # the sample ends inside the regenerated reply
-    # The two-turn conversation: the first reply was regenerated too, so the original
-    # assistant text is gone and both replies are in the loss mask.
-    (multi,) = [ds[i] for i in range(len(ds)) if ds[i]["id"].startswith("multi:")]
-    full = tokenizer.decode(multi["input_ids"])
-    assert "Bonjour !" not in full and full.count("<|im_start|>assistant") == 2
-    runs = torch.diff(multi["loss_mask"].int()).eq(1).sum().item()
-    assert runs == 2
-    report = verify_dataset(str(out), 4)
-    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
+def shard_files(out: Path) -> dict[int, str]:
+    """Finished shards (file and sidecar both present) by index."""
+    return {
+        int(p.stem.split("-")[1]): p.stem
+        for p in out.glob("shard-*.safetensors")
+        if p.with_suffix(".json").is_file()
+    }
 
 
-def _same_dataset(a: Path, b: Path) -> None:
-    da, db = open_dataset(a), open_dataset(b)
-    assert len(da) == len(db)
-    for i in range(len(da)):
-        x, y = da[i], db[i]
-        assert x["id"] == y["id"]
-        assert torch.equal(x["input_ids"], y["input_ids"])
-        assert torch.equal(x["loss_mask"], y["loss_mask"])
-        torch.testing.assert_close(x["hidden_states"], y["hidden_states"], rtol=1e-3, atol=1e-3)
-
-
-def test_killed_run_resumes_to_the_same_dataset_as_parallel_workers(tmp_path, tiny_model_dir):
+def test_worker_killed_mid_shard_reruns_and_merges_without_gaps(tmp_path, tiny_model_dir):
+    """Two workers fill one dataset; worker 1 is SIGKILLed while writing its second shard
+    (its first one finished and recorded), re-run, and a merge run completes the dataset:
+    every sample once, in order, no stray files, and the states equal transformers'."""
     prompts = [{"prompt": f"Tell me fact number {i} about the sea."} for i in range(8)]
     data = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    out = tmp_path / "out"
     common = [
         f"--model={tiny_model_dir}",
         f"--data=[{data}]",
+        f"--output={out}",
         "--regenerate=true",
-        "--max_new_tokens=160",
+        "--max_new_tokens=32",
         "--samples_per_shard=2",
         "--dtype=bfloat16",
     ]
+    extract([*common, "--workers=2", "--worker=0"])
+    assert shard_files(out) == {0: "shard-00000", 2: "shard-00002"}
 
-    # Reference: two data-parallel workers, then a merge-only run (no engine needed).
-    ref = tmp_path / "ref"
-    extract([*common, f"--output={ref}", "--workers=2", "--worker=0"])
-    assert not json.loads((ref / "manifest.json").read_text())["complete"]
-    extract([*common, f"--output={ref}", "--workers=2", "--worker=1"])
-    extract([*common, f"--output={ref}"])
-    assert json.loads((ref / "manifest.json").read_text())["complete"]
-
-    # Killed with SIGKILL while it captures its second shard (the first one finished and
-    # recorded), then run again. The run tells us over a pipe when it got there.
-    out = tmp_path / "out"
+    # Worker 1 (shards 1 and 3) tells us over a pipe when it reaches its second shard's
+    # write; then the whole run is killed, as a crash or an OOM kill would.
     ready, signal_w = os.pipe()
+    worker1 = [*common, "--workers=2", "--worker=1"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", PAUSE_AT_SECOND_SHARD, str(signal_w), *common, f"--output={out}"],
+        [sys.executable, "-c", PAUSE_AT_SECOND_SHARD, str(signal_w), *worker1],
         pass_fds=(signal_w,),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -200,38 +161,69 @@ def test_killed_run_resumes_to_the_same_dataset_as_parallel_workers(tmp_path, ti
     os.close(signal_w)
     readable, _, _ = select.select([ready], [], [], 300)
     assert readable and os.read(ready, 1) == b"2", proc.communicate()[0].decode()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole run, as a crash or OOM kill would
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    man = json.loads((out / "manifest.json").read_text())
-    assert not man["complete"] and len(man["shards"]) == 1
-    extract([*common, f"--output={out}"])
+    assert not json.loads((out / "manifest.json").read_text())["complete"]
+    assert sorted(shard_files(out)) == [0, 1, 2]  # worker 1's first shard is kept
+    written = {
+        name: (out / f"{name}.safetensors").stat().st_mtime_ns for name in shard_files(out).values()
+    }
+
+    extract(worker1)  # writes shard 3 only
+    extract(common)  # the merge: every shard is done, so no engine starts
     man = json.loads((out / "manifest.json").read_text())
     assert man["complete"] and man["num_samples"] == 8
+    assert sorted(shard_files(out)) == [0, 1, 2, 3]
+    assert {n: (out / f"{n}.safetensors").stat().st_mtime_ns for n in written} == written
     assert not list(out.glob("*.tmp"))
-    _same_dataset(ref, out)
+    ds = open_dataset(out)
+    ids = [ds[i]["id"] for i in range(len(ds))]
+    assert len(ids) == 8 == len(set(ids)), ids
+    assert [ds[i]["loss_mask"].any().item() for i in range(8)] == [True] * 8
+    report = verify_dataset(str(out), 8)
+    assert report.ok, report.text()
 
 
-def test_sampled_regeneration_is_written_by_a_plain_engine(tmp_path, smollm2_dir, tokenizer):
-    """vLLM 0.32's capture method degenerates sampled text; ours must not."""
+def test_smollm2_writes_prompts_and_samples_replies_that_match_transformers(
+    tmp_path, smollm2_dir, tokenizer
+):
+    """The real chat model writes three prompts, then answers them and a two-turn chat
+    with sampled replies (a plain engine writes them: vLLM 0.32's capture method
+    degenerates sampled text), captured by prefill; the states match transformers."""
+    data = write_jsonl(tmp_path / "multi.jsonl", [CHATS[2]])
     out = tmp_path / "sampled"
     extract(
         [
             f"--model={smollm2_dir}",
-            "--data=[self:3]",
+            f"--data=[self:3,{data}]",
             f"--output={out}",
             "--regenerate=true",
             "--temperature=0.8",
             "--max_new_tokens=48",
-            "--dtype=bfloat16",
-            "--verify=3",
+            "--dtype=float32",
         ]
     )
     ds = open_dataset(out)
-    assert len(ds) == 3 and len(list((out / "replies").glob("*.json"))) == 1
+    assert len(ds) == 4 and len(list((out / "replies").glob("*.json"))) == 1
+    prompts = [
+        json.loads(x)["prompt"] for x in (out / "prompts.self.jsonl").read_text().split("\n") if x
+    ]
+    assert len(set(prompts)) == 3 and all(len(p) >= 12 for p in prompts)
     for i in range(len(ds)):
-        reply = ds[i]["input_ids"][ds[i]["loss_mask"]].tolist()
+        sample = ds[i]
+        reply = sample["input_ids"][sample["loss_mask"]].tolist()
+        assert "<|im_start|>user" not in tokenizer.decode(reply)  # no user turn in the loss
+        assert sample["loss_mask"][-1]  # the sample ends inside the regenerated reply
         # Degenerate replies repeat one token ("you you you ..."); real ones do not.
         longest_run = max(sum(1 for _ in g) for _, g in itertools.groupby(reply))
         assert longest_run < 6, tokenizer.decode(reply)
         assert len(set(reply)) > len(reply) // 3, tokenizer.decode(reply)
+    # The two-turn chat: its first reply was regenerated too, so the original assistant
+    # text is gone and both replies are in the loss mask.
+    (multi,) = [ds[i] for i in range(len(ds)) if ds[i]["id"].startswith("multi:")]
+    full = tokenizer.decode(multi["input_ids"])
+    assert "Bonjour !" not in full and full.count("<|im_start|>assistant") == 2
+    assert torch.diff(multi["loss_mask"].int()).eq(1).sum().item() == 2
+    report = verify_dataset(str(out), 4)
+    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()

@@ -34,7 +34,9 @@ def tiny_config(tmp_path: Path, model: Path, **changes) -> Path:
 
 
 @pytest.mark.vllm
-def test_pipeline_runs_resumes_and_skips_finished_stages(tmp_path, tiny_model_dir, capsys):
+def test_pipeline_runs_resumes_and_skips_finished_stages(
+    tmp_path, tiny_model_dir, capsys, monkeypatch
+):
     # A 10-minute budget whose extraction share (0.6 s) ends after the first shard: the
     # data shrinks to whole shards, training keeps its share. Training validates on a
     # separate set of prompts the target answers.
@@ -51,7 +53,12 @@ def test_pipeline_runs_resumes_and_skips_finished_stages(tmp_path, tiny_model_di
         validation={"data": str(val_prompts)},
     )
     # Stopped after training (as an interruption would), then run to the end.
+    said: list[str] = []
+    monkeypatch.setattr("draftsmith.extract.main.say", lambda *parts: said.append(str(parts)))
     assert pipeline_main([f"--config={config}", "--stop_after=train"]) == 0
+    # One vLLM engine captured both the validation set and the data.
+    assert sum("extract: starting vLLM" in line for line in said) == 1, said
+    assert sum("extract: reusing the running vLLM" in line for line in said) == 1, said
     state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     assert list(state["stages"]) == ["extract", "train"]
     manifest = json.loads((Path(state["stages"]["extract"]["dir"]) / "manifest.json").read_text())

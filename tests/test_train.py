@@ -95,7 +95,7 @@ def test_fit_validates_checkpoints_and_exports(tmp_path, tiny_dataset, tiny_mode
 
 
 def test_lr_schedule_warms_up_then_anneals_by_steps_or_time():
-    from draftsmith.train.module import lr_factor
+    from draftsmith.train.schedule import lr_factor
 
     assert lr_factor(0, 2, 10, 0.1) == pytest.approx(1 / 3)  # warm-up
     assert lr_factor(2, 2, 10, 0.1) == pytest.approx(1.0)

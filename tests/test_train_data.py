@@ -16,8 +16,8 @@ from draftsmith.extract.dataset import DatasetError, open_dataset
 from draftsmith.extract.store import write_shard
 from draftsmith.files import write_json_atomic
 from draftsmith.targets import TargetInfo
+from draftsmith.train.acceptance import step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
-from draftsmith.train.loss import step_validity
 from draftsmith.train.packing import (
     PAD_DOC_ID,
     PackedDataset,

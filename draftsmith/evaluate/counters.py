@@ -17,9 +17,10 @@ Every reading is summed over engines and other labels.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+
+from draftsmith.evaluate.prometheus import parse_prometheus
 
 PREFIX = "vllm:spec_decode_"
 DRAFTS = PREFIX + "num_drafts"
@@ -92,36 +93,6 @@ def from_offline_metrics(metrics: Iterable) -> SpecCounters:
             for pos, value in enumerate(metric.values):
                 _add_at(out.accepted_per_pos, pos, int(value))
     return out
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples ``(name, labels, value)`` of Prometheus text exposition format.
-
-    Comment lines (``# HELP``, ``# TYPE``) and blank lines are skipped; label values are
-    unescaped for ``\\\\``, ``\\"`` and ``\\n``.
-    """
-    samples = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, label_text, value = match.groups()
-        labels = {
-            key: raw.replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")
-            for key, raw in _LABEL.findall(label_text or "")
-        }
-        try:
-            samples.append((name, labels, float(value)))
-        except ValueError:
-            continue
-    return samples
 
 
 def from_prometheus_text(text: str) -> SpecCounters:

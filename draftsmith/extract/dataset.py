@@ -14,7 +14,6 @@ import json
 import math
 import mmap
 import os
-import struct
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,10 +23,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DatasetError
+from draftsmith.extract.shardfile import TensorSpec, read_header, read_rows
 from draftsmith.extract.store import (
     FORMAT,
-    SAFETENSORS_DTYPES,
     TORCH_STORAGE_DTYPES,
     decode_hidden,
 )
@@ -35,75 +34,14 @@ from draftsmith.files import sha256_file
 
 FORMAT_VERSIONS = (1,)
 MAX_OPEN_SHARDS = 128  # memory maps kept per process; older ones are dropped (LRU)
-_MAX_HEADER_BYTES = 1 << 28
-
-
-class DatasetError(DraftsmithError):
-    """A dataset directory that is missing, unfinished, corrupt or of an unknown format."""
-
-
-@dataclass(frozen=True)
-class _TensorSpec:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
 
 
 @dataclass
 class _Shard:
     path: Path
-    tensors: dict[str, _TensorSpec]
+    tensors: dict[str, TensorSpec]
     offsets: list[int]  # [S + 1] token offsets of the samples
     sample_ids: list[str]
-
-
-def read_header(path: Path) -> tuple[dict[str, _TensorSpec], dict[str, str]]:
-    """Parse a safetensors header: ``({name: spec with absolute start}, __metadata__)``."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise DatasetError(f"{path}: too short to be a safetensors file")
-        (length,) = struct.unpack("<Q", raw)
-        if length > min(size - 8, _MAX_HEADER_BYTES):
-            raise DatasetError(f"{path}: header length {length} does not fit the file")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DatasetError(f"{path}: unreadable safetensors header ({exc})") from exc
-    data_start = 8 + length
-    metadata = header.pop("__metadata__", None) or {}
-    tensors = {}
-    for name, entry in header.items():
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise DatasetError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = entry["data_offsets"]
-        if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
-            raise DatasetError(
-                f"{path}: tensor {name} {list(shape)} has inconsistent "
-                f"data_offsets {[begin, end]} (file of {size} bytes)"
-            )
-        tensors[name] = _TensorSpec(dtype, shape, data_start + begin)
-    return tensors, metadata
-
-
-def _read_rows(mapped: mmap.mmap, spec: _TensorSpec, first: int, rows: int) -> torch.Tensor:
-    """Rows ``first:first + rows`` (along dim 0) of a tensor in a mapped file, copied out.
-
-    Only those rows' pages are touched. The copy goes into a private ``bytearray``: the
-    result is an ordinary writable tensor and no view into the (read-only) map survives.
-    """
-    row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
-    shape = (rows, *spec.shape[1:])
-    if rows * row_bytes == 0:
-        return torch.empty(shape, dtype=spec.dtype)
-    start = spec.start + first * row_bytes
-    buf = bytearray(rows * row_bytes)
-    with memoryview(mapped) as view:
-        buf[:] = view[start : start + len(buf)]
-    return torch.frombuffer(buf, dtype=spec.dtype).view(shape)
 
 
 class HiddenStatesDataset(Dataset):
@@ -189,7 +127,7 @@ class HiddenStatesDataset(Dataset):
             raise DatasetError(f"{path}: sample_offsets do not describe its {n} tokens")
         return _Shard(path, tensors, offsets, sample_ids)
 
-    def _check_tensors(self, path: Path, tensors: dict[str, _TensorSpec]) -> None:
+    def _check_tensors(self, path: Path, tensors: dict[str, TensorSpec]) -> None:
         required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
         if self.storage_dtype == "fp8_e4m3":
             required.append("hidden_scales")
@@ -245,21 +183,21 @@ class HiddenStatesDataset(Dataset):
         first, last = shard.offsets[s], shard.offsets[s + 1]
         mapped, rows = self._map(k), last - first
         t = shard.tensors
-        hidden = _read_rows(mapped, t["hidden_states"], first, rows)
+        hidden = read_rows(mapped, t["hidden_states"], first, rows)
         scales = (
-            _read_rows(mapped, t["hidden_scales"], first, rows) if "hidden_scales" in t else None
+            read_rows(mapped, t["hidden_scales"], first, rows) if "hidden_scales" in t else None
         )
         return {
             "id": shard.sample_ids[s],
-            "input_ids": _read_rows(mapped, t["input_ids"], first, rows).to(torch.long),
-            "loss_mask": _read_rows(mapped, t["loss_mask"], first, rows).to(torch.bool),
+            "input_ids": read_rows(mapped, t["input_ids"], first, rows).to(torch.long),
+            "loss_mask": read_rows(mapped, t["loss_mask"], first, rows).to(torch.bool),
             "hidden_states": decode_hidden(hidden, scales, self.dtype),
         }
 
     def token_ids(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(sample id, ``input_ids`` [T] long) of every sample, without reading hidden states."""
         for k, shard in enumerate(self._shards):
-            ids = _read_rows(self._map(k), shard.tensors["input_ids"], 0, shard.offsets[-1])
+            ids = read_rows(self._map(k), shard.tensors["input_ids"], 0, shard.offsets[-1])
             for s, sid in enumerate(shard.sample_ids):
                 yield sid, ids[shard.offsets[s] : shard.offsets[s + 1]].to(torch.long)
 

@@ -18,6 +18,7 @@ from draftsmith.config import parse_config, to_dict
 from draftsmith.console import progress, say, stage_log
 from draftsmith.errors import ConfigError, exit_code
 from draftsmith.extract.config import ExtractConfig
+from draftsmith.extract.engines import LazyEngine
 from draftsmith.sources import DataError, SkipLog, load_many
 from draftsmith.targets import (
     EAGLE3_ARCHITECTURES,
@@ -92,7 +93,7 @@ def run(cfg: ExtractConfig) -> dict:
     )
 
     # Sampling happens in a plain engine: vLLM 0.32's capture method corrupts sampled text.
-    writer = _LazyEngine(cfg, target.path)
+    writer = LazyEngine(cfg, target.path)
     if self_specs:
         from draftsmith.extract.selfwrite import write_prompts
 
@@ -120,9 +121,10 @@ def run(cfg: ExtractConfig) -> dict:
     if cfg.regenerate and cfg.temperature > 0:
         written = _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output)
     writer.close()
-    engine = _LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
+    engine = LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
     if todo:
-        say(f"extract: starting vLLM ({target.path}, layers {layer_ids})")
+        verb = "reusing the running" if engine.reused else "starting"
+        say(f"extract: {verb} vLLM ({target.path}, layers {layer_ids})")
         if cfg.time_limit:
             left = cfg.time_limit - (time.monotonic() - run_started)
             say(f"extract: time_limit leaves {left:.0f} s: no shard starts that would end later")
@@ -162,47 +164,6 @@ def run(cfg: ExtractConfig) -> dict:
     bar.close()
     engine.close()
     return manifest.build_manifest(output, target, layer_ids, config, stopped_by)
-
-
-class _LazyEngine:
-    """Starts a vLLM engine on first use: a finished or merge-only run needs none."""
-
-    def __init__(
-        self,
-        cfg: ExtractConfig,
-        model: str,
-        layer_ids: list[int] | None = None,
-        staging: Path | None = None,
-    ):
-        self.cfg, self.model, self.layer_ids, self.staging = cfg, model, layer_ids, staging
-        self.llm = None
-
-    def get(self):
-        from draftsmith import engine
-
-        if self.llm is None:
-            max_len = self.cfg.max_length + 1
-            if self.staging is None:
-                self.llm = engine.plain_engine(self.model, self.cfg.engine, max_len)
-            else:
-                from draftsmith.extract.capture import capture_engine, clean_staging
-
-                clean_staging(self.staging)
-                self.llm = capture_engine(
-                    self.model, self.layer_ids, str(self.staging), self.cfg.engine, max_len
-                )
-        return self.llm
-
-    def close(self) -> None:
-        from draftsmith.engine import close_engine
-
-        if self.llm is not None:
-            close_engine(self.llm)
-            self.llm = None
-        if self.staging is not None:
-            from draftsmith.extract.capture import clean_staging
-
-            clean_staging(self.staging)
 
 
 def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:

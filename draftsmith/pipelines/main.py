@@ -32,6 +32,7 @@ from typing import Any
 
 from draftsmith.config import parse_config
 from draftsmith.console import say
+from draftsmith.engine import shared_engines
 from draftsmith.errors import DraftsmithError, exit_code
 from draftsmith.files import write_json_atomic
 from draftsmith.pipelines.config import (
@@ -125,11 +126,12 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             say(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
         say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
-        if stage == "extract" and plan.val_dir() is not None:
-            say(f"pipeline: validation set -> {plan.val_dir()}")
-            run_stage("extract", plan.validation_args())
-            plan.validation_seconds = time.monotonic() - started
-        code = run_stage(stage, plan.stage_args(stage))
+        with shared_engines():  # the validation set and the data: one engine
+            if stage == "extract" and plan.val_dir() is not None:
+                say(f"pipeline: validation set -> {plan.val_dir()}")
+                run_stage("extract", plan.validation_args())
+                plan.validation_seconds = time.monotonic() - started
+            code = run_stage(stage, plan.stage_args(stage))
         seconds = round(time.monotonic() - started, 1)
         status = "done" if not code else f"failed (exit {code})"
         state["stages"][stage] = {**entry, "status": status, "seconds": seconds}

@@ -3,7 +3,8 @@
 A checkpoint written by ``draftsmith train`` carries, beside the weights, what the head needs
 to be rebuilt without the dataset (``DraftModule.on_save_checkpoint``): its kind, constructor
 arguments, target, tapped layer ids, the data summary and the last validation metrics.
-DeepSpeed checkpoints (directories of shards) are consolidated first.
+Sharded checkpoints (directories) are consolidated first: DeepSpeed ZeRO's, and FSDP's with
+``state_dict_type: sharded`` (torch.distributed.checkpoint files plus Lightning's ``meta.pt``).
 
     draftsmith export --checkpoint outputs/train/smollm2/checkpoints/best.ckpt \\
         --output outputs/heads/smollm2-eagle3
@@ -26,6 +27,8 @@ from draftsmith.targets import read_target
 from draftsmith.train.headdir import HEADS, export_head
 from draftsmith.train.module import CHECKPOINT_KEY
 
+FSDP_METADATA = "meta.pt"  # Lightning's file beside the shards of an FSDP sharded checkpoint
+
 
 class CheckpointError(DraftsmithError):
     """A checkpoint that is missing, or was not written by ``draftsmith train``."""
@@ -37,7 +40,8 @@ class ExportConfig:
     ``vllm serve DIR``)."""
 
     checkpoint: str
-    """A ``.ckpt`` file written by ``draftsmith train`` (or a DeepSpeed checkpoint directory)."""
+    """A ``.ckpt`` file written by ``draftsmith train`` (or a DeepSpeed / sharded FSDP
+    checkpoint directory)."""
     output: str
     """Directory to write: config.json, model.safetensors, README.md (model card)."""
     num_speculative_tokens: int = 3
@@ -47,11 +51,13 @@ class ExportConfig:
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint on CPU; consolidate a DeepSpeed directory first."""
+    """Load a checkpoint on CPU; consolidate a sharded (DeepSpeed or FSDP) directory first."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint: {path} does not exist; train first or fix the path")
-    if path.is_dir():  # DeepSpeed ZeRO: shards of weights and optimizer states
+    if path.is_dir() and (path / FSDP_METADATA).is_file():
+        ckpt = read_fsdp_sharded(path)
+    elif path.is_dir():  # DeepSpeed ZeRO: shards of weights and optimizer states
         from lightning.pytorch.utilities.deepspeed import (
             convert_zero_checkpoint_to_fp32_state_dict,
         )
@@ -68,6 +74,19 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             "`draftsmith train` (a checkpoint from before its first validation has none either)"
         )
     return ckpt
+
+
+def read_fsdp_sharded(path: Path) -> dict[str, Any]:
+    """A checkpoint Lightning's FSDP wrote with ``state_dict_type: sharded``, as one dict:
+    ``meta.pt`` (everything but tensors) plus the weights, merged on CPU without processes."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        merged = Path(tmp) / "merged.pt"
+        dcp_to_torch_save(path, merged)  # {"model": state dict, "optimizer_0": ...}
+        shards = torch.load(merged, map_location="cpu", weights_only=False)
+    ckpt = torch.load(path / FSDP_METADATA, map_location="cpu", weights_only=False)
+    return {**ckpt, "state_dict": shards["model"]}
 
 
 def head_from_checkpoint(ckpt: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -8,6 +8,8 @@
 Beyond LightningCLI's own sections (``trainer``, ``model``, ``data``, ``optimizer`` is the
 module's), ``checkpoint`` configures the ModelCheckpoint that keeps the best head by
 simulated acceptance length and the last one (for resuming: ``--ckpt_path last``).
+``trainer.strategy: fsdp`` or ``deepspeed`` with ``trainer.accelerator: cpu`` runs
+Lightning's strategy on CPU processes over gloo (``strategies.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from draftsmith.errors import ConfigError, exit_code
 from draftsmith.train.data import EagleDataModule
 from draftsmith.train.module import DraftModule
 from draftsmith.train.progress import ConsoleProgress
+from draftsmith.train.strategies import GPU_ONLY, cpu_strategy, runs_on_cpu
 
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed")
 
@@ -56,6 +59,10 @@ class TrainCLI(LightningCLI):
         self.exit_stack.enter_context(stage_log(root / "train.log"))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        strategy = cpu_strategy(config.trainer.strategy, config.trainer.accelerator)
+        if strategy is not None:  # Lightning's FSDP / DeepSpeed refuse CPU: their CPU stand-ins
+            kwargs.setdefault("strategy", strategy)
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand == "fit":
             trainer.callbacks.append(ConsoleProgress())
@@ -81,6 +88,12 @@ class TrainCLI(LightningCLI):
                 f"trainer.strategy: unknown strategy {strategy!r}; use one of {list(STRATEGIES)} "
                 "or a class_path (e.g. lightning.pytorch.strategies.DeepSpeedStrategy with "
                 "init_args.config: configs/deepspeed/zero2.json)"
+            )
+        class_path = getattr(strategy, "class_path", None)
+        if class_path in GPU_ONLY and runs_on_cpu(config.trainer.accelerator):
+            raise ConfigError(
+                f"trainer.strategy: {class_path} runs on CUDA GPUs only; on CPU use class_path "
+                f"{GPU_ONLY[class_path]} (same init_args), or trainer.accelerator: gpu"
             )
         if not config.data.data or not Path(config.data.data).is_dir():
             raise ConfigError(

@@ -15,7 +15,6 @@ known, so that ``draftsmith export`` can rebuild it from a checkpoint alone (see
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Literal
 
@@ -29,18 +28,13 @@ from draftsmith.console import say
 from draftsmith.errors import ConfigError
 from draftsmith.extract import DatasetError
 from draftsmith.targets import TargetInfo, read_target, text_config
+from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.init import init_from_target
-from draftsmith.train.loss import (
-    LossKind,
-    acceptance_from_counts,
-    objective_weights,
-    step_validity,
-    teacher_argmax,
-    ttt_loss,
-)
+from draftsmith.train.loss import LossKind, objective_weights, teacher_argmax, ttt_loss
 from draftsmith.train.packing import PAD_DOC_ID
+from draftsmith.train.schedule import adamw_with_schedule
 from draftsmith.train.ttt import ttt_unroll
 from draftsmith.train.weights import load_target_weights
 
@@ -238,8 +232,14 @@ class DraftModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.head is None:
             raise RuntimeError("load checkpoints through the trainer (ckpt_path) or export")
-        if self.hparams.kind == "eagle3":
-            d2t = checkpoint["state_dict"]["head.d2t"]
+        if self.hparams.kind != "eagle3":
+            return
+        state = checkpoint.get("state_dict")
+        if state is None:  # FSDP / DeepSpeed loaded the weights and d2t themselves: redo t2d
+            d2t = self.head.d2t
+            self.head.set_draft_vocab(d2t + torch.arange(d2t.numel(), device=d2t.device))
+        elif "head.d2t" in state:  # (a full-vocabulary head stores no d2t)
+            d2t = state["head.d2t"]
             self.set_draft_vocab(d2t + torch.arange(d2t.numel(), device=d2t.device))
 
     # ----- the objective --------------------------------------------------------------
@@ -372,24 +372,12 @@ class DraftModule(pl.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.head.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95))
-        total = max(self.total_steps(), 1)
-        warmup = min(hp.warmup_steps, max(total - 1, 0))
-
-        def factor(step: int) -> float:
-            return lr_factor(step, warmup, total, hp.min_lr_ratio, self.time_progress())
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def lr_factor(
-    step: int, warmup: int, total: int, min_ratio: float, time_done: float = 0.0
-) -> float:
-    """Learning-rate multiplier: linear warm-up over ``warmup`` steps, then a cosine from 1
-    to ``min_ratio`` over the rest of ``total`` steps, or of the time cap when ``time_done``
-    (its spent fraction, 0..1) is further along."""
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = max((step - warmup) / max(total - warmup, 1), time_done)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return adamw_with_schedule(
+            params,
+            lr=hp.lr,
+            weight_decay=hp.weight_decay,
+            warmup_steps=hp.warmup_steps,
+            total_steps=self.total_steps(),
+            min_lr_ratio=hp.min_lr_ratio,
+            time_progress=self.time_progress,
+        )
