@@ -78,3 +78,33 @@ def test_k_out_of_range(capsys, tiny_model_dir, prompts, ks):
         capsys, f"--model={tiny_model_dir}", f"--datasets=[{prompts}]", f"--k={ks}"
     )
     assert code == 2 and "k:" in err and "between 1 and 16" in err
+
+
+def test_time_limit_skips_baselines_that_would_overrun(
+    monkeypatch, tiny_model_dir, tiny_eagle3_head, prompts, tmp_path
+):
+    """Each (stand-in) engine takes 0.3 s: with 0.5 s allowed, no speculation and the head
+    run (never skipped), ngram would end past the limit and is skipped, and says so."""
+    import time
+
+    from draftsmith.config import parse_config
+    from draftsmith.evaluate import runs
+    from draftsmith.evaluate.config import EvalConfig
+    from draftsmith.evaluate.main import evaluate
+
+    ran = []
+
+    def engine_run(cfg, model, method, prompts, kwargs):
+        ran.append(method.name)
+        time.sleep(0.3)
+        return [], {(d, 0.0): [[1, 2, 3]] * len(p) for d, p in prompts.items()}
+
+    monkeypatch.setattr(runs, "offline_runs", engine_run)
+    base = [f"--model={tiny_model_dir}", f"--head={tiny_eagle3_head}", f"--datasets=[{prompts}]"]
+    base += ["--baselines=[none,ngram]", "--k=[3]", f"--output={tmp_path}", "--wandb=false"]
+    results, _ = evaluate(parse_config(EvalConfig, [*base, "--time_limit=0.5"], prog="eval"))
+    assert ran == ["none", "eagle3"]
+    assert results["skipped"] == [{"method": "ngram", "k": 3, "reason": "time_limit"}]
+    ran.clear()
+    results, _ = evaluate(parse_config(EvalConfig, base, prog="eval"))
+    assert ran == ["none", "eagle3", "ngram"] and results["skipped"] == []

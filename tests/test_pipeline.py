@@ -78,6 +78,8 @@ def test_pipeline_runs_resumes_and_skips_finished_stages(
     dirs = {s: Path(e["dir"]) for s, e in state["stages"].items()}
     assert (dirs["train"] / "checkpoints" / "last.ckpt").is_file()
     assert (dirs["export"] / "config.json").is_file()
+    eval_yaml = yaml.safe_load((dirs["eval"] / "stage.yaml").read_text())
+    assert 60 <= eval_yaml["time_limit"] <= 600  # what the budget had left for evaluation
     results = json.loads((dirs["eval"] / "results.json").read_text())
     head_run = next(r for r in results["runs"] if r["method"] == "eagle3")
     assert head_run["lossless"]["mismatches"] == [] and head_run["counters"]["num_drafts"] > 0

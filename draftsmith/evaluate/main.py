@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -91,8 +92,18 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     n_prompts = sum(map(len, prompts.values()))
     say(f"eval: {len(methods)} engines x {n_prompts} prompts ({', '.join(prompts)})")
     bar = progress(len(methods), "eval", unit="engine")
+    started, slowest, skipped = time.monotonic(), 0.0, []
     for method in methods:
-        bar.set_postfix_str(method.name + (f" k={method.k}" if method.k else ""))
+        label = method.name + (f" k={method.k}" if method.k else "")
+        elapsed = time.monotonic() - started
+        if cfg.time_limit and runs.is_baseline(method) and elapsed + slowest > cfg.time_limit:
+            skipped.append({"method": method.name, "k": method.k, "reason": "time_limit"})
+            say(f"eval: {label} skipped: {elapsed:.0f} s used, the slowest method took "
+                f"{slowest:.0f} s, time_limit {cfg.time_limit:.0f} s")  # fmt: skip
+            bar.update(1)
+            continue
+        bar.set_postfix_str(label)
+        method_started = time.monotonic()
         if cfg.mode == "server":
             from draftsmith.evaluate.online import server_runs
 
@@ -102,6 +113,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         records += recs
         for key, value in outs.items():
             outputs[(method, *key)] = value
+        slowest = max(slowest, time.monotonic() - method_started)
         bar.update(1)
     bar.close()
 
@@ -142,6 +154,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         if cfg.head
         else None,
         "overlap": overlap,
+        "skipped": skipped,
         "runs": records,
     }, generations
 

@@ -139,6 +139,9 @@ def markdown(results: dict, plots: list[str]) -> str:
         "tokens/step = output tokens per target verification step (compare methods on this: "
         "ngram drafts only where it finds a match, which flatters its acceptance length).",
     ]
+    if results.get("skipped"):
+        gone = ", ".join(f"{s['method']} k={s['k']}" for s in results["skipped"])
+        lines += ["", f"Skipped by the time limit ({cfg.get('time_limit')} s): {gone}."]
     groups: dict[tuple, list[dict]] = {}
     for r in sorted_runs(results):
         groups.setdefault((r["dataset"], r["temperature"]), []).append(r)

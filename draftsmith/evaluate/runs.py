@@ -41,13 +41,17 @@ class Method:
 def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
     """Every (method, k) engine this evaluation starts."""
     run_ks = [max(ks)] if cfg.derive_k else ks
-    names = [b for b in cfg.baselines if b != "none"]
-    if cfg.head:
-        names.append(cfg.method)
+    names = [cfg.method] if cfg.head else []  # the heads first, then the free baselines
     if cfg.draft_model:
         names.append("draft_model")
+    names += [b for b in cfg.baselines if b != "none"]
     methods = [Method("none")] if ("none" in cfg.baselines or cfg.lossless) else []
     return methods + [Method(name, k) for name in names for k in run_ks]
+
+
+def is_baseline(method: Method) -> bool:
+    """ngram and suffix: what a time limit may drop (the reference and the heads it may not)."""
+    return method.name in ("ngram", "suffix")
 
 
 def run_record(

@@ -124,6 +124,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             extract_s = state["stages"]["extract"]["seconds"]
             plan.train_max_time, state["budget"] = train_time(cfg, extract_s)
             say(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
+        if stage == "eval" and cfg.time_budget:  # baselines that would overrun are skipped
+            used = time.monotonic() - run_started
+            plan.eval_time_limit = round(max(seconds_of(cfg.time_budget) - used, 60.0))
         say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
         with shared_engines():  # the validation set and the data: one engine

@@ -87,6 +87,7 @@ class Plan:
         if cfg.data:
             self.dirs["extract"] = Path(cfg.data)
         self.train_max_time: str | None = None  # set by run() under time_budget
+        self.eval_time_limit: float | None = None  # likewise: what the budget has left
         self.validation_seconds = 0.0  # set by run(): the validation set's extraction
 
     def val_dir(self) -> Path | None:
@@ -138,6 +139,8 @@ class Plan:
         else:
             section = {**cfg.eval, "model": cfg.model, "head": str(self.dirs["export"])}
             section.update(output=str(d), train_data=str(self.dirs["extract"]))  # overlap guard
+            if self.eval_time_limit:
+                section["time_limit"] = self.eval_time_limit
         stage_yaml = d / "stage.yaml"
         stage_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
         if stage == "train":
