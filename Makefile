@@ -16,7 +16,7 @@ ifdef VERBOSE
 export DRAFTSMITH_VERBOSE := 1
 endif
 
-.PHONY: setup test lint demo pipeline extract train export eval study study-levers bench-extract bench-train clean
+.PHONY: setup test lint demo pipeline extract train export eval study study-levers bench-extract bench-train bench-loader clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,9 @@ bench-extract: setup
 
 bench-train: setup
 	$(PY) -m draftsmith.cli bench-train $(if $(CONFIG),--config $(CONFIG))
+
+bench-loader: setup
+	$(PY) -m draftsmith.cli bench-loader $(if $(CONFIG),--config $(CONFIG))
 
 clean:
 	rm -rf outputs

@@ -57,6 +57,9 @@ COMMANDS = {
     "bench-extract": Command(
         "draftsmith.extract.bench", "time extraction against plain generation and HF"
     ),
+    "bench-loader": Command(
+        "draftsmith.train.bench_loader", "time the training data path alone (tokens/s)"
+    ),
 }
 
 PIPELINE = ("extract", "train", "export", "eval")

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from draftsmith.extract import DatasetError, HiddenStatesDataset
+from draftsmith.memory import keep_freed_memory
 
 PAD_DOC_ID = -1
 
@@ -122,7 +123,7 @@ class PackedDataset(Dataset):
         self.ds, self.rows, self.row_tokens = ds, rows, row_tokens
         self.teacher_layer_id = teacher_layer_id(ds.manifest, ds.path)
         self.aux_layer_ids = resolve_aux_layers(ds.layer_ids, aux_layers)
-        self._aux = torch.tensor([ds.layer_ids.index(i) for i in self.aux_layer_ids])
+        self._aux = [ds.layer_ids.index(i) for i in self.aux_layer_ids]
         self._teacher = ds.layer_ids.index(self.teacher_layer_id)
 
     def __len__(self) -> int:
@@ -130,8 +131,10 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, r: int) -> dict[str, Tensor]:
         t, h, dtype = self.row_tokens, self.ds.hidden_size, self.ds.dtype
-        aux = torch.zeros(t, len(self.aux_layer_ids) * h, dtype=dtype)  # [T, n_aux * H]
-        teacher = torch.zeros(t, h, dtype=dtype)  # [T, H]
+        # The states are written once each (no zero fill first; the padding is zeroed at
+        # the end): at an 8B shape a row is ~100 MB, and each pass over it costs.
+        aux = torch.empty(t, len(self._aux) * h, dtype=dtype)  # [T, n_aux * H]
+        teacher = torch.empty(t, h, dtype=dtype)  # [T, H]
         input_ids = torch.zeros(t, dtype=torch.long)
         position_ids = torch.zeros(t, dtype=torch.long)
         doc_ids = torch.full((t,), PAD_DOC_ID, dtype=torch.long)
@@ -142,13 +145,16 @@ class PackedDataset(Dataset):
             n = min(sample["input_ids"].numel(), t - start)
             span = slice(start, start + n)
             states = sample["hidden_states"][:n]  # [n, L, H]
-            aux[span] = states[:, self._aux].reshape(n, -1)
+            for k, layer in enumerate(self._aux):  # layer by layer: no gathered copy
+                aux[span, k * h : (k + 1) * h] = states[:, layer]
             teacher[span] = states[:, self._teacher]
             input_ids[span] = sample["input_ids"][:n]
             loss_mask[span] = sample["loss_mask"][:n]
             position_ids[span] = torch.arange(n)
             doc_ids[span] = doc
             start += n
+        aux[start:] = 0
+        teacher[start:] = 0
         position_ids[start:] = torch.arange(t - start)
         return {
             "input_ids": input_ids,
@@ -161,8 +167,17 @@ class PackedDataset(Dataset):
 
 
 def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Stack rows: each key ``[T, ...]`` -> ``[B, T, ...]``."""
-    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    """Stack rows: each key ``[T, ...]`` -> ``[B, T, ...]``.
+
+    ``default_collate`` stacks straight into shared memory inside a DataLoader worker, which
+    saves the copy that handing a batch to the main process would otherwise make."""
+    return default_collate(items)
+
+
+def worker_init(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: the worker keeps the memory it frees, so the ~100 MB
+    buffers of each row do not fault in page by page again (``memory.keep_freed_memory``)."""
+    keep_freed_memory()
 
 
 def add_noise(batch: dict[str, Tensor], std: float) -> dict[str, Tensor]:

@@ -1,0 +1,312 @@
+"""`draftsmith bench-loader`: tokens/s of the training data path alone, no model.
+
+Writes synthetic shards in the real on-disk format (``write_shard``, sidecars, plan and
+``build_manifest``, as ``draftsmith extract`` does) with a target's shapes, then times
+passes of the training loader over them (``EagleDataModule.train_dataloader``: open the
+dataset, page samples in from the memory maps, decode, pack rows, collate, and copy into
+pinned memory where CUDA makes pinning possible), for each storage dtype, page cache state
+(cold: every shard evicted first and checked with ``mincore``; warm: read once first) and
+DataLoader worker count. Prints a table and writes the figures as JSON.
+
+    draftsmith bench-loader                        # Llama-3.1-8B shapes, bf16 and fp8
+    draftsmith bench-loader --tokens 196608 --workers '[1, 2, 4]'
+
+The goal it reports against: twice what an H100 trainer consumes at that shape, and the
+disk bandwidth that takes (bytes per token x tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from draftsmith.config import parse_config, to_dict
+from draftsmith.errors import ConfigError, exit_code
+from draftsmith.memory import evict, resident_fraction, warm
+from draftsmith.targets import TargetInfo, default_layer_ids, read_target, validate_layer_ids
+
+H100_TRAIN_TOKENS_PER_S = 9952
+"""bench-train on an H100, Llama-3.1-8B shape, TTT 7, 32k draft vocab (docs/benchmarks.md)."""
+GOAL_FACTOR = 2
+
+StorageDtype = Literal["bfloat16", "float16", "float32", "fp8_e4m3"]
+
+
+@dataclass
+class BenchLoaderConfig:
+    """Time the training data path (open, page in, pack, collate, pin) on synthetic shards."""
+
+    model: str = "configs/targets/llama3.1-8b"
+    """Target whose shapes the shards take (hidden size, number of layers); a directory
+    with only a config.json is enough."""
+    layer_ids: list[int] | None = None
+    """Tapped layers as ``draftsmith extract`` takes them; null = its default [2, N//2, N-3, N]."""
+    tokens: int = 49152
+    """Tokens written per storage dtype (the bf16 Llama shape takes 32 KiB each on disk)."""
+    sample_tokens: int = 1024
+    """Mean tokens per sample; lengths are uniform in [mean/2, 3*mean/2], seeded."""
+    samples_per_shard: int = 32
+    """Samples per shard file (as ``extract.samples_per_shard``)."""
+    row_tokens: int = 4096
+    """Tokens per packed row (as ``data.row_tokens``)."""
+    batch_size: int = 1
+    """Rows per batch (as ``data.batch_size``)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the states the loader hands to the model (as ``data.dtype``)."""
+    storage_dtypes: list[StorageDtype] = field(default_factory=lambda: ["bfloat16", "fp8_e4m3"])
+    """Storage dtypes to write and read (as ``extract.dtype``)."""
+    caches: list[Literal["cold", "warm"]] = field(default_factory=lambda: ["cold", "warm"])
+    """Page cache states: cold (shards evicted before the pass) and/or warm (read before)."""
+    workers: list[int] = field(default_factory=lambda: [1, 2])
+    """DataLoader worker counts to time (as ``data.num_workers``; 0 = in the main process)."""
+    seed: int = 0
+    """Seeds the sample lengths, token ids, states and the packing."""
+    work_dir: str = "outputs/bench-loader"
+    """Where the shards are written, in a fresh subdirectory; put it on the disk your
+    datasets live on (a cold cache cannot be had on tmpfs)."""
+    keep: bool = False
+    """Keep the written shards (by default their directory is removed at the end)."""
+    output: str | None = "outputs/bench-loader/result.json"
+    """JSON file for the figures; null = print the table only."""
+
+
+def check_config(cfg: BenchLoaderConfig) -> None:
+    if cfg.tokens < 1 or cfg.samples_per_shard < 1 or cfg.batch_size < 1:
+        raise ConfigError(
+            f"tokens={cfg.tokens}, samples_per_shard={cfg.samples_per_shard}, batch_size="
+            f"{cfg.batch_size}: each must be at least 1"
+        )
+    longest = (3 * cfg.sample_tokens) // 2
+    if cfg.sample_tokens < 2 or longest > cfg.row_tokens:
+        raise ConfigError(
+            f"sample_tokens: {cfg.sample_tokens} gives samples of up to {longest} tokens, "
+            f"which must fit row_tokens={cfg.row_tokens} (nothing may be truncated, so that "
+            f"every written token is read); give sample_tokens in [2, {2 * cfg.row_tokens // 3}]"
+        )
+    if not cfg.workers or min(cfg.workers) < 0:
+        raise ConfigError(f"workers: {cfg.workers}; give worker counts >= 0, e.g. [1, 2]")
+    if not cfg.storage_dtypes or not cfg.caches:
+        raise ConfigError("storage_dtypes and caches each need at least one entry")
+
+
+def sample_lengths(tokens: int, mean: int, seed: int) -> list[int]:
+    """Lengths uniform in [mean/2, 3*mean/2] summing to exactly ``tokens`` (the last cut)."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = max(1, mean // 2), (3 * mean) // 2
+    lengths: list[int] = []
+    left = tokens
+    while left > 0:
+        n = min(int(torch.randint(low, high + 1, (1,), generator=gen)), left)
+        lengths.append(n)
+        left -= n
+    return lengths
+
+
+def write_synthetic(
+    out: Path, target: TargetInfo, layer_ids: list[int], storage: str, cfg: BenchLoaderConfig
+) -> dict:
+    """A complete dataset of random states in ``out``, written as extract writes one."""
+    from draftsmith.extract.manifest import build_manifest, shard_name, sidecar_path
+    from draftsmith.extract.plan import write_plan
+    from draftsmith.extract.store import write_shard
+    from draftsmith.files import write_json_atomic
+    from draftsmith.sources import SkipLog
+
+    lengths = sample_lengths(cfg.tokens, cfg.sample_tokens, cfg.seed)
+    ids = [f"synthetic-{k}" for k in range(len(lengths))]
+    shards = [ids[i : i + cfg.samples_per_shard] for i in range(0, len(ids), cfg.samples_per_shard)]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    longest = max(lengths)
+    # One pool of states: samples are slices at random offsets (values do not change I/O).
+    pool = torch.randn(2 * longest, len(layer_ids), target.hidden_size, generator=gen)
+    pool = pool.to(torch.bfloat16)  # [2 * longest, L, H]
+    fp = {"synthetic": True, "storage_dtype": storage, "seed": cfg.seed}
+    write_plan(out, fp, shards, SkipLog())
+    length = dict(zip(ids, lengths, strict=True))
+    for index, shard in enumerate(shards):
+        samples = []
+        for sid in shard:
+            n = length[sid]
+            at = int(torch.randint(0, longest + 1, (1,), generator=gen))
+            mask = torch.ones(n, dtype=torch.bool)
+            mask[: n // 4] = False  # a prompt, then the reply
+            samples.append(
+                {
+                    "id": sid,
+                    "input_ids": torch.randint(0, target.vocab_size, (n,), generator=gen),
+                    "loss_mask": mask,
+                    "hidden_states": pool[at : at + n],  # [n, L, H]
+                }
+            )
+        info = write_shard(out / shard_name(index), samples, storage)
+        write_json_atomic(sidecar_path(out, index), {**info.to_dict(), "skipped": []})
+    config = {"dtype": storage, "synthetic": True, "bench": "bench-loader", "seed": cfg.seed}
+    return build_manifest(out, target, layer_ids, config)
+
+
+def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
+    """Open the dataset and read every packed row once through the training loader."""
+    from draftsmith.train.data import EagleDataModule
+    from draftsmith.train.packing import PAD_DOC_ID
+
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    module = EagleDataModule(
+        str(data),
+        row_tokens=cfg.row_tokens,
+        batch_size=cfg.batch_size,
+        val_fraction=0.0,
+        num_workers=workers,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+    )
+    loader = module.train_dataloader()
+    tokens = row_tokens = batches = 0
+    first = 0.0
+    for batch in loader:
+        if not batches:
+            first = time.perf_counter() - start
+        tokens += int((batch["doc_ids"] != PAD_DOC_ID).sum())
+        row_tokens += batch["input_ids"].numel()
+        batches += 1
+    seconds = time.perf_counter() - start
+    pinned = bool(loader.pin_memory)  # what the training loader chose (CUDA present)
+    del loader  # stops persistent workers
+    return {
+        "tokens": tokens,
+        "row_tokens": row_tokens,
+        "batches": batches,
+        "seconds": seconds,
+        "first_batch_s": first,
+        "tokens_per_s": tokens / seconds,
+        "pinned": pinned,
+        "load_1m_before": load,
+        "load_1m_after": os.getloadavg()[0],
+    }
+
+
+def run(cfg: BenchLoaderConfig) -> dict:
+    check_config(cfg)
+    target = read_target(cfg.model)
+    ids = (
+        cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_hidden_layers)
+    )
+    layer_ids = validate_layer_ids(ids, target.num_hidden_layers)
+    Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="shards-", dir=cfg.work_dir))
+    passes, datasets = [], {}
+    try:
+        for storage in cfg.storage_dtypes:
+            data = root / storage
+            started = time.perf_counter()
+            manifest = write_synthetic(data, target, layer_ids, storage, cfg)
+            files = [data / s["file"] for s in manifest["shards"]]
+            file_bytes = sum(f.stat().st_size for f in files)
+            datasets[storage] = {
+                "tokens_written": manifest["num_tokens"],
+                "samples": manifest["num_samples"],
+                "shards": len(files),
+                "bytes_per_token": manifest["bytes_per_token"],
+                "file_bytes_per_token": file_bytes / manifest["num_tokens"],
+                "write_s": time.perf_counter() - started,
+            }
+            for cache in cfg.caches:
+                for workers in cfg.workers:
+                    if cache == "cold":
+                        evict(files)
+                    else:
+                        warm(files)
+                    row = {"storage_dtype": storage, "cache": cache, "workers": workers}
+                    row["resident_before"] = resident_fraction(files)  # did it work?
+                    row.update(one_pass(data, cfg, workers))
+                    row["disk_mb_per_s"] = file_bytes / row["seconds"] / 1e6
+                    passes.append(row)
+            if not cfg.keep:
+                shutil.rmtree(data)
+    finally:
+        if not cfg.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    goal = GOAL_FACTOR * H100_TRAIN_TOKENS_PER_S
+    for info in datasets.values():
+        info["disk_mb_per_s_at_goal"] = info["file_bytes_per_token"] * goal / 1e6
+    return {
+        "config": to_dict(cfg),
+        "shape": {
+            "target": target.path,
+            "hidden_size": target.hidden_size,
+            "layer_ids": layer_ids,
+        },
+        "cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "pin_memory": bool(torch.cuda.is_available()),
+        "goal_tokens_per_s": goal,
+        "datasets": datasets,
+        "passes": passes,
+        "shards_kept_in": str(root) if cfg.keep else None,
+    }
+
+
+def table(result: dict) -> str:
+    """The figures as a few lines of text."""
+    shape, cfg = result["shape"], result["config"]
+    lines = [
+        f"bench-loader: {len(shape['layer_ids'])} layers {shape['layer_ids']} x hidden "
+        f"{shape['hidden_size']}, rows of {cfg['row_tokens']} x {cfg['batch_size']}, states "
+        f"as {cfg['dtype']}; {result['cpus']} CPUs, torch threads {result['torch_threads']}",
+        "pin_memory: on (CUDA)"
+        if result["pin_memory"]
+        else "pin_memory: not measured (no CUDA: the loader pins only for a GPU); "
+        "figures end at the collated batch",
+        f"{'storage':<9} {'cache':<5} {'workers':>7} {'tokens':>8} {'tokens/s':>9} "
+        f"{'disk MB/s':>9} {'1st batch s':>11} {'resident':>8} {'load 1m':>7}",
+    ]
+    for p in result["passes"]:
+        res = "-" if p["resident_before"] is None else f"{p['resident_before']:.0%}"
+        lines.append(
+            f"{p['storage_dtype']:<9} {p['cache']:<5} {p['workers']:>7} {p['tokens']:>8,} "
+            f"{p['tokens_per_s']:>9,.0f} {p['disk_mb_per_s']:>9,.0f} {p['first_batch_s']:>11.2f} "
+            f"{res:>8} {p['load_1m_after']:>7.2f}"
+        )
+    goal = result["goal_tokens_per_s"]
+    lines.append(
+        f"goal: {GOAL_FACTOR} x {H100_TRAIN_TOKENS_PER_S:,} tok/s (an H100 training the "
+        f"Llama-3.1-8B-shape head, docs/benchmarks.md) = {goal:,} tok/s"
+    )
+    for storage, d in result["datasets"].items():
+        best = max(p["tokens_per_s"] for p in result["passes"] if p["storage_dtype"] == storage)
+        lines.append(
+            f"{storage}: {d['bytes_per_token']:,} bytes/token (+ headers: "
+            f"{d['file_bytes_per_token']:,.0f}); the goal needs {d['disk_mb_per_s_at_goal']:,.0f}"
+            f" MB/s of disk; best pass {best:,.0f} tok/s ({best / goal:.2f}x the goal)"
+        )
+    return "\n".join(lines)
+
+
+def main(args: list[str] | None = None) -> int:
+    cfg = parse_config(BenchLoaderConfig, args, prog="draftsmith bench-loader")
+
+    def go() -> int:
+        result = run(cfg)
+        print(table(result), flush=True)
+        if cfg.output:
+            Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.output).write_text(json.dumps(result, indent=2) + "\n")
+            print(f"figures: {cfg.output}")
+        return 0
+
+    return exit_code("draftsmith bench-loader", go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""`draftsmith bench-loader` on tiny shapes: the table, the JSON, and every token read."""
+
+from __future__ import annotations
+
+import json
+
+from draftsmith.extract.store import bytes_per_token
+from draftsmith.train.bench_loader import main, sample_lengths
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 16,
+    "num_hidden_layers": 8,
+    "vocab_size": 64,
+    "max_position_embeddings": 2048,
+}
+
+
+def test_sample_lengths_sum_to_tokens():
+    lengths = sample_lengths(1000, 40, seed=3)
+    assert sum(lengths) == 1000
+    assert all(1 <= n <= 60 for n in lengths)
+    assert all(n >= 20 for n in lengths[:-1])  # only the last one is cut
+
+
+def test_bench_loader_reads_every_written_token(tmp_path, capsys):
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "result.json"
+    args = [
+        f"--model={target}",
+        "--tokens=300",
+        "--sample_tokens=40",
+        "--samples_per_shard=4",
+        "--row_tokens=64",
+        "--batch_size=2",
+        "--workers=[0, 1]",
+        f"--work_dir={tmp_path / 'work'}",
+        f"--output={out}",
+    ]
+    assert main(args) == 0
+
+    result = json.loads(out.read_text())
+    assert result["shape"]["layer_ids"] == [2, 4, 5, 8]  # extract's default taps for N=8
+    assert set(result["datasets"]) == {"bfloat16", "fp8_e4m3"}
+    for storage, info in result["datasets"].items():
+        assert info["tokens_written"] == 300
+        assert info["bytes_per_token"] == bytes_per_token(4, 16, storage)
+        assert info["file_bytes_per_token"] > info["bytes_per_token"]  # + headers, offsets
+    passes = result["passes"]
+    combos = [(p["storage_dtype"], p["cache"], p["workers"]) for p in passes]
+    assert combos == [
+        (s, c, w) for s in ("bfloat16", "fp8_e4m3") for c in ("cold", "warm") for w in (0, 1)
+    ]
+    for p in passes:
+        assert p["tokens"] == 300  # every written token came out of the loader, once
+        assert p["row_tokens"] % 64 == 0 and p["row_tokens"] >= 300
+        assert p["tokens_per_s"] > 0 and p["seconds"] > 0
+        if p["cache"] == "warm" and p["resident_before"] is not None:
+            assert p["resident_before"] == 1.0
+    assert result["pin_memory"] is False or result["pin_memory"] is True
+    assert not any((tmp_path / "work").iterdir())  # the shards were removed
+
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("storage"))
+    rows = lines[header + 1 : header + 1 + len(passes)]
+    assert [r.split()[:4] for r in rows] == [[s, c, str(w), "300"] for s, c, w in combos]
+    assert "bytes/token" in text and "MB/s of disk" in text
+
+
+def test_bench_loader_rejects_samples_longer_than_rows(tmp_path, capsys):
+    code = main(["--sample_tokens=100", "--row_tokens=64", f"--work_dir={tmp_path}"])
+    assert code == 2
+    assert "sample_tokens: 100" in capsys.readouterr().err
