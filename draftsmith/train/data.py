@@ -81,6 +81,9 @@ class EagleDataModule(pl.LightningDataModule):
             at least one when the dataset has two or more, 0 disables validation, 1 makes every
             sample validation: ``draftsmith train validate`` on a whole dataset). Ignored
             when ``val_data`` is given.
+        max_train_samples: train on the first N training samples only (in the dataset's
+            order, after the validation split, so smaller N are nested subsets of larger
+            ones): data-scaling curves at a fixed validation set. Null: every sample.
         val_data: a separate dataset to validate on, e.g. a held-out slice of a broad
             source answered by the target (``sharegpt@heldout``): then every sample of
             ``data`` trains, and the simulated acceptance predicts serving on prompts the
@@ -107,6 +110,7 @@ class EagleDataModule(pl.LightningDataModule):
         batch_size: int = 1,
         val_fraction: float = 0.05,
         val_data: str | None = None,
+        max_train_samples: int | None = None,
         num_workers: int = 2,
         seed: int = 0,
         aux_layers: list[int] | None = None,
@@ -143,6 +147,13 @@ class EagleDataModule(pl.LightningDataModule):
                     )
             self.train_indices = list(range(len(self.dataset)))
             self.val_indices = list(range(len(self.val_dataset)))
+        if max_train_samples is not None:
+            if max_train_samples < 1:
+                raise ValueError(
+                    f"data.max_train_samples: {max_train_samples}; give at least 1, or null "
+                    "for every sample"
+                )
+            self.train_indices = self.train_indices[:max_train_samples]
         self.num_truncated = sum(n > row_tokens for n in self.dataset.lengths)
         if self.num_truncated:
             warnings.warn(
