@@ -83,8 +83,9 @@ def test_k_out_of_range(capsys, tiny_model_dir, prompts, ks):
 def test_time_limit_skips_baselines_that_would_overrun(
     monkeypatch, tiny_model_dir, tiny_eagle3_head, prompts, tmp_path
 ):
-    """Each (stand-in) engine takes 0.3 s: with 0.5 s allowed, no speculation and the head
-    run (never skipped), ngram would end past the limit and is skipped, and says so."""
+    """Each (stand-in) engine takes 0.3 s: with 0.5 s allowed, no speculation, the head and
+    ngram run (never skipped), suffix would end past the limit and is skipped."""
+    import importlib.util
     import time
 
     from draftsmith.config import parse_config
@@ -100,11 +101,17 @@ def test_time_limit_skips_baselines_that_would_overrun(
         return [], {(d, 0.0): [[1, 2, 3]] * len(p) for d, p in prompts.items()}
 
     monkeypatch.setattr(runs, "offline_runs", engine_run)
+    find_spec = importlib.util.find_spec  # suffix needs arctic-inference; the stand-in does not
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: True if name == "arctic_inference" else find_spec(name, *a),
+    )
     base = [f"--model={tiny_model_dir}", f"--head={tiny_eagle3_head}", f"--datasets=[{prompts}]"]
-    base += ["--baselines=[none,ngram]", "--k=[3]", f"--output={tmp_path}", "--wandb=false"]
+    base += ["--baselines=[none,ngram,suffix]", "--k=[3]", f"--output={tmp_path}", "--wandb=false"]
     results, _ = evaluate(parse_config(EvalConfig, [*base, "--time_limit=0.5"], prog="eval"))
-    assert ran == ["none", "eagle3"]
-    assert results["skipped"] == [{"method": "ngram", "k": 3, "reason": "time_limit"}]
+    assert ran == ["none", "eagle3", "ngram"]
+    assert results["skipped"] == [{"method": "suffix", "k": 3, "reason": "time_limit"}]
     ran.clear()
     results, _ = evaluate(parse_config(EvalConfig, base, prog="eval"))
-    assert ran == ["none", "eagle3", "ngram"] and results["skipped"] == []
+    assert ran == ["none", "eagle3", "ngram", "suffix"] and results["skipped"] == []

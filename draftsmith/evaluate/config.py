@@ -50,9 +50,9 @@ class EvalConfig:
     lossless: bool = True
     """Compare greedy outputs of every speculative method with no speculation, token for token."""
     time_limit: float | None = None
-    """Seconds the evaluation may take (the pipeline's time_budget sets it): a baseline whose
-    engine would end past it, judged by the slowest method so far, is skipped and listed in
-    results.json's ``skipped``. No speculation and the head always run; null: no limit."""
+    """Seconds the evaluation may take (the pipeline's time_budget sets it): suffix decoding,
+    when its engine would end past it (judged by the slowest method so far), is skipped and
+    listed in results.json's ``skipped``. No speculation, the head and ngram always run."""
     train_data: str | None = None
     """The extracted dataset the head was trained on (the pipeline fills it in): eval refuses,
     before any engine starts, prompt sets with exact or near-duplicate prompts in it."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.config import parse_config
-from draftsmith.console import say
+from draftsmith.console import say, stage_log
 from draftsmith.engine import shared_engines
 from draftsmith.errors import DraftsmithError, exit_code
 from draftsmith.files import write_json_atomic
@@ -129,7 +129,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             plan.eval_time_limit = round(max(seconds_of(cfg.time_budget) - used, 60.0))
         say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
-        with shared_engines():  # the validation set and the data: one engine
+        # The validation set and the data share one engine; it shuts down (and logs that)
+        # into the stage's log, like everything else the stage's libraries print.
+        with stage_log(d / f"{stage}.log"), shared_engines():
             if stage == "extract" and plan.val_dir() is not None:
                 say(f"pipeline: validation set -> {plan.val_dir()}")
                 run_stage("extract", plan.validation_args())
