@@ -96,7 +96,11 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     for method in methods:
         label = method.name + (f" k={method.k}" if method.k else "")
         elapsed = time.monotonic() - started
-        if cfg.time_limit and runs.is_baseline(method) and elapsed + slowest > cfg.time_limit:
+        if (
+            cfg.time_limit
+            and runs.skippable_under_time_limit(method)
+            and elapsed + slowest > cfg.time_limit
+        ):
             skipped.append({"method": method.name, "k": method.k, "reason": "time_limit"})
             say(f"eval: {label} skipped: {elapsed:.0f} s used, the slowest method took "
                 f"{slowest:.0f} s, time_limit {cfg.time_limit:.0f} s")  # fmt: skip

@@ -49,7 +49,7 @@ def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
     return methods + [Method(name, k) for name in names for k in run_ks]
 
 
-def is_baseline(method: Method) -> bool:
+def skippable_under_time_limit(method: Method) -> bool:
     """What a time limit may drop: suffix decoding, the optional third baseline. No
     speculation (the reference), the heads and ngram (the comparison that matters) stay."""
     return method.name == "suffix"
