@@ -281,13 +281,18 @@ if __name__ == "__main__":
 """
 
 
-def run_engine(tmp_path: Path, tokenizer, **llm) -> dict:
-    """Greedy 24 tokens for the chat prompts in a fresh engine process; tokens and counters."""
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """The token ids of each of CHATS rendered as a one-turn chat, ready for a reply."""
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
         for c in CHATS
     ]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    return [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+
+
+def run_engine(tmp_path: Path, tokenizer, **llm) -> dict:
+    """Greedy 24 tokens for the chat prompts in a fresh engine process; tokens and counters."""
+    prompts = chat_prompts(tokenizer)
     llm = dict(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, **llm)
     llm |= dict(max_model_len=512, disable_log_stats=False)
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -302,8 +307,19 @@ def run_engine(tmp_path: Path, tokenizer, **llm) -> dict:
 
 
 @pytest.fixture(scope="module")
-def target_only(tmp_path_factory, tiny_model_dir, tokenizer) -> dict:
-    return run_engine(tmp_path_factory.mktemp("plain"), tokenizer, model=str(tiny_model_dir))
+def target_only(tiny_model_dir, tokenizer) -> dict:
+    """The target's own greedy 24 tokens for the chat prompts, by transformers (no engine)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokens = []
+    for prompt in chat_prompts(tokenizer):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(24):  # no stop at EOS, as `ignore_eos=True` in the engine
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        tokens.append(ids[len(prompt) :])
+    return {"tokens": tokens}
 
 
 def assert_lossless_with_drafts(result: dict, target_only: dict, k: int = 3) -> None:

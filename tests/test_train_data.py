@@ -342,12 +342,19 @@ def test_noise_in_a_real_fit_touches_training_batches_only(dataset, val_fraction
 def test_token_counts_match_brute_force(tmp_path):
     write_dataset(tmp_path, [[5, 30, 7], [12], [40, 3]])
     ds = open_dataset(tmp_path)
-    want = torch.zeros(VOCAB, dtype=torch.long)
-    for i in range(len(ds)):
-        s = ds[i]
-        for tok, m in zip(s["input_ids"].tolist(), s["loss_mask"].tolist(), strict=True):
-            want[tok] += m
-    assert torch.equal(token_counts(ds, VOCAB), want)
+
+    def brute(samples):
+        want = torch.zeros(VOCAB, dtype=torch.long)
+        for i in samples:
+            s = ds[i]
+            for tok, m in zip(s["input_ids"].tolist(), s["loss_mask"].tolist(), strict=True):
+                want[tok] += m
+        return want
+
+    assert torch.equal(token_counts(ds, VOCAB), brute(range(len(ds))))
+    for subset in ([0, 4], [3], [1, 2, 5]):  # across shards: the vocabulary of a training split
+        assert torch.equal(token_counts(ds, VOCAB, subset), brute(subset))
+    assert token_counts(ds, VOCAB, []).sum() == 0
     with pytest.raises(DatasetError, match="outside a vocabulary of 10"):
         token_counts(ds, 10)
 

@@ -28,6 +28,7 @@ from draftsmith.config import parse_config, section_overrides, set_dotted
 from draftsmith.console import say
 from draftsmith.errors import DraftsmithError, exit_code
 from draftsmith.files import write_json_atomic
+from draftsmith.pipelines import curve
 from draftsmith.pipelines.config import (
     SECTIONS,
     PipelineError,
@@ -55,6 +56,9 @@ class StudyConfig:
     """Draft length whose acceptance the table reports (the eval section must measure it)."""
     dataset: str = "mt_bench"
     """Evaluation set the table reports."""
+    curve: bool = False
+    """Also fit tokens/step against each point's training tokens (points that differ in
+    data, e.g. ``train.data.max_train_samples``): ``curve.png`` and the fit in study.md."""
 
 
 def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +208,14 @@ def _main(args: list[str] | None) -> int:
             rows.append({"point": name, "overrides": overrides, "error": str(err)[:200]})
         write_json_atomic(out / "study.json", {"config": cfg.__dict__, "rows": rows})
     text = table(rows, cfg)
+    if cfg.curve:
+        for row in rows:
+            if "train" in row.get("dirs", {}):
+                row["train_tokens"] = curve.train_tokens(Path(row["dirs"]["train"]))
+        line, fit = curve.summary(rows, cfg.k)
+        text += "\n\n" + line
+        curve.plot(rows, fit, out / "curve.png", cfg.k)
+        write_json_atomic(out / "study.json", {"config": cfg.__dict__, "rows": rows, "fit": fit})
     (out / "study.md").write_text(text + "\n")
     plot(rows, out / "study.png", cfg.k)
     say(text)

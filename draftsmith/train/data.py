@@ -33,15 +33,28 @@ from draftsmith.train.packing import (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def token_counts(ds: HiddenStatesDataset, vocab_size: int) -> Tensor:
-    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``.
+def token_counts(
+    ds: HiddenStatesDataset, vocab_size: int, samples: list[int] | None = None
+) -> Tensor:
+    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``,
+    over the dataset's samples at positions ``samples`` (all of them when None).
 
-    Reads only ``input_ids`` and ``loss_mask`` of each shard, never the hidden states.
+    Reads only ``input_ids``, ``loss_mask`` and ``sample_offsets`` of each shard, never the
+    hidden states.
     """
     counts = torch.zeros(vocab_size, dtype=torch.long)
+    wanted = None if samples is None else set(samples)
+    first = 0  # dataset position of the shard's first sample
     for info in ds.manifest["shards"]:
         with safe_open(str(ds.path / info["file"]), framework="pt") as f:
-            ids = f.get_tensor("input_ids").long()[f.get_tensor("loss_mask").bool()]
+            keep = f.get_tensor("loss_mask").bool()
+            offsets = f.get_tensor("sample_offsets").tolist()
+            if wanted is not None:
+                for s, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False)):
+                    if first + s not in wanted:
+                        keep[a:b] = False
+            first += len(offsets) - 1
+            ids = f.get_tensor("input_ids").long()[keep]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise DatasetError(
                 f"{ds.path / info['file']}: token ids span [{ids.min()}, {ids.max()}], "

@@ -149,7 +149,7 @@ class DraftModule(pl.LightningModule):
         dm.check_target(target)
         self.build(target, dm.aux_layer_ids, dm.teacher_layer_id)
         if self.hparams.kind == "eagle3":
-            counts = token_counts(dm.dataset, target.vocab_size)
+            counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
             ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(target.config))
             self.set_draft_vocab(ids)
             covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
