@@ -248,9 +248,6 @@ def capture_engine(
     from draftsmith.engine import engine_kwargs
 
     os.makedirs(staging_dir, exist_ok=True)
-    # The connector writes a request's file on a later engine step; an engine inside this
-    # process would not step while `capture_shard` waits for the file, so capture always
-    # runs vLLM's engine core in its own process, whatever the environment asks for.
     kwargs = engine_kwargs(model, options, max_len)
     kwargs["speculative_config"] = {
         "method": "extract_hidden_states",
@@ -263,6 +260,9 @@ def capture_engine(
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"staging_dir": staging_dir},
     }
+    # The connector writes a request's file on a later engine step; an engine inside this
+    # process would not step while `capture_shard` waits for the file, so capture always
+    # runs vLLM's engine core in its own process, whatever the environment asks for.
     asked = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     try:

@@ -53,13 +53,18 @@ def baselines(rows: list[dict[str, Any]]) -> dict[str, float]:
     return found
 
 
-def summary(rows: list[dict[str, Any]], k: int) -> tuple[str, dict[str, Any] | None]:
-    """Markdown lines on the fit, and the fit itself (None with fewer than two points)."""
-    points = sorted(
-        (r["train_tokens"], r["head_tokens_per_step"])
+def measured(rows: list[dict[str, Any]]) -> list[tuple[int, float, str]]:
+    """(training tokens, head tokens/step, point name) of each row that has both, sorted."""
+    return sorted(
+        (r["train_tokens"], r["head_tokens_per_step"], r["point"])
         for r in rows
         if r.get("train_tokens") and r.get("head_tokens_per_step")
     )
+
+
+def summary(rows: list[dict[str, Any]], k: int) -> tuple[str, dict[str, Any] | None]:
+    """Markdown lines on the fit, and the fit itself (None with fewer than two points)."""
+    points = [(x, y) for x, y, _ in measured(rows)]
     if len({x for x, _ in points}) < 2:
         return "Scaling curve: fewer than two measured points, no fit.", None
     xs, ys = [float(x) for x, _ in points], [y for _, y in points]
@@ -93,11 +98,7 @@ def plot(rows: list[dict[str, Any]], fit: dict[str, Any] | None, path: Path, k: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = sorted(
-        (r["train_tokens"], r["head_tokens_per_step"], r["point"])
-        for r in rows
-        if r.get("train_tokens") and r.get("head_tokens_per_step")
-    )
+    pts = measured(rows)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color="tab:blue", label="head")
     for x, y, name in pts:
