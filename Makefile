@@ -16,7 +16,7 @@ ifdef VERBOSE
 export DRAFTSMITH_VERBOSE := 1
 endif
 
-.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling bench-extract bench-train bench-loader clean
+.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget bench-extract bench-train bench-loader clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,9 @@ study-levers: setup
 study-scaling: setup
 	$(PY) -m draftsmith.cli extract --config configs/extract/smollm2-demo.yaml
 	$(PY) -m draftsmith.cli study --config configs/study/smollm2-scaling.yaml
+
+study-budget: setup
+	$(PY) -m draftsmith.cli study --config configs/study/smollm2-budget.yaml
 
 bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))

@@ -45,6 +45,9 @@ class EngineOptions:
     cpu_preload_iomp: bool = True
     """CPU build: put the venv's ``libiomp5.so`` in ``LD_PRELOAD`` of vLLM's processes, as
     vLLM advises (measured: single-stream 28.0 against 24.0 tok/s without it)."""
+    cpu_avoid_busy_cores: bool = True
+    """CPU build: before an engine starts, leave out cores another process keeps busy
+    (draftsmith/cores.py: one busy core of two made vLLM 5.2x slower when it kept both)."""
     extra: dict = field(default_factory=dict)
     """Any other `vllm.LLM` keyword arguments, passed as they are."""
 
@@ -73,6 +76,12 @@ def engine_kwargs(model: str, options: EngineOptions, max_len: int) -> dict:
     cpu = on_cpu()
     if cpu:
         cpu_runtime_env(options)
+        if options.cpu_avoid_busy_cores:
+            from draftsmith.console import say
+            from draftsmith.cores import avoid_busy_cores
+
+            if note := avoid_busy_cores():
+                say(f"engine: {note}")
     kwargs = dict(
         model=model,
         dtype=("float32" if cpu else "bfloat16")

@@ -10,7 +10,13 @@ import yaml
 
 from draftsmith.pipelines.config import PipelineConfig, PipelineError, parse_pipeline
 from draftsmith.pipelines.main import main as pipeline_main
-from draftsmith.pipelines.plan import TRAIN_STARTUP_S, Plan, train_time
+from draftsmith.pipelines.plan import (
+    EVAL_MIN_TOKENS,
+    TRAIN_STARTUP_S,
+    Plan,
+    eval_tokens,
+    train_time,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pipelines"
 
@@ -84,12 +90,15 @@ def test_pipeline_runs_resumes_and_skips_finished_stages(
     head_run = next(r for r in results["runs"] if r["method"] == "eagle3")
     assert head_run["lossless"]["mismatches"] == [] and head_run["counters"]["num_drafts"] > 0
     assert "eagle3" in (tmp_path / "run" / "summary.md").read_text()
-    assert "acc len" in capsys.readouterr().out
+    capsys.readouterr()
 
-    # Same config again: nothing reruns. A changed eval section reruns eval alone.
+    # Same config again: nothing reruns, and the last results are printed again (a run
+    # that evaluated printed them once, from the eval stage). A changed eval section
+    # reruns eval alone.
     assert pipeline_main([f"--config={config}"]) == 0
     state = json.loads((tmp_path / "run" / "pipeline.json").read_text())
     assert {e["status"] for e in state["stages"].values()} == {"skipped"}
+    assert "acc len" in capsys.readouterr().out
     changed = yaml.safe_load(config.read_text())
     changed["eval"]["max_tokens"] = 16
     config.write_text(yaml.safe_dump(changed))
@@ -120,6 +129,21 @@ def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_p
     manifest["shards"][1]["sha256"] = "cc"  # different data: a different train stage
     (data / "manifest.json").write_text(json.dumps(manifest))
     assert Plan(PipelineConfig(output=str(tmp_path), data=str(data))).dirs["train"] != first
+
+
+def test_time_budget_shortens_the_evaluations_replies_when_the_hour_is_slow(tmp_path):
+    cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:20:00", eval={"max_tokens": 256})
+    n, info = eval_tokens(cfg, validation_s=60.0, left_s=400.0)  # predicted 5 x 60 = 300 s
+    assert n == 256 and info["eval_predicted_s"] == 300.0
+    n, info = eval_tokens(cfg, validation_s=120.0, left_s=400.0)  # a slow hour: 600 s
+    assert n == 170 and info["eval_max_tokens_asked"] == 256  # 256 x 400 / 600
+    n, _ = eval_tokens(cfg, validation_s=600.0, left_s=100.0)  # never below the floor
+    assert n == EVAL_MIN_TOKENS
+    assert eval_tokens(cfg, validation_s=0.0, left_s=100.0) == (None, {})  # nothing measured
+    plan = Plan(cfg)
+    plan.eval_max_tokens = 170  # what run() sets before the eval stage
+    plan.stage_args("eval")
+    assert yaml.safe_load((plan.dirs["eval"] / "stage.yaml").read_text())["max_tokens"] == 170
 
 
 def test_time_budget_gives_training_its_share_whatever_extraction_took(tmp_path):

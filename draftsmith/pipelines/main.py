@@ -42,7 +42,7 @@ from draftsmith.pipelines.config import (
     parse_pipeline,
     seconds_of,
 )
-from draftsmith.pipelines.plan import DONE, Plan, train_time
+from draftsmith.pipelines.plan import DONE, Plan, eval_tokens, train_time
 from draftsmith.stages import COMMANDS
 
 
@@ -126,7 +126,15 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             say(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
         if stage == "eval" and cfg.time_budget:  # baselines that would overrun are skipped
             used = time.monotonic() - run_started
-            plan.eval_time_limit = round(max(seconds_of(cfg.time_budget) - used, 60.0))
+            left = max(seconds_of(cfg.time_budget) - used, 60.0)
+            plan.eval_time_limit = round(left)
+            plan.eval_max_tokens, accounting = eval_tokens(cfg, plan.validation_seconds, left)
+            state.setdefault("budget", {}).update(accounting)
+            if plan.eval_max_tokens and plan.eval_max_tokens < accounting["eval_max_tokens_asked"]:
+                say(f"pipeline: time_budget: {left:.0f} s left, the evaluation at "
+                    f"{accounting['eval_max_tokens_asked']} tokens per reply would take about "
+                    f"{accounting['eval_predicted_s']:.0f} s: {plan.eval_max_tokens} tokens "
+                    "per reply")  # fmt: skip
         say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
         # The validation set and the data share one engine; it shuts down (and logs that)
@@ -176,11 +184,13 @@ def _main(args: list[str] | None) -> int:
         return 0
     state = run(cfg)
     say(summary(state))
-    results = Path(state["stages"].get("eval", {}).get("dir", "")) / "results.json"
+    evaluation = state["stages"].get("eval", {})
+    results = Path(evaluation.get("dir", "")) / "results.json"
     if results.is_file():
         from draftsmith.evaluate.report import summary_table
 
-        say(summary_table(json.loads(results.read_text())))
+        if evaluation["status"] == "skipped":  # a run that evaluated printed its table above
+            say(summary_table(json.loads(results.read_text())))
         plots = ", ".join(sorted(p.name for p in results.parent.glob("*.png")))
         say(f"report: {results.parent / 'report.md'} (plots: {plots or 'none'})")
     return 0

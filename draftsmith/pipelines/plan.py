@@ -24,6 +24,7 @@ from draftsmith.pipelines.config import (
 
 DONE = ".done.json"  # a finished stage's marker: {"seconds": ...}
 TRAIN_STARTUP_S = 30.0  # train-stage seconds outside trainer.max_time: imports, setup, last save
+EVAL_MIN_TOKENS = 64  # per reply: shorter ones would measure the first sentence only
 
 
 def digest(*parts: Any) -> str:
@@ -88,6 +89,7 @@ class Plan:
             self.dirs["extract"] = Path(cfg.data)
         self.train_max_time: str | None = None  # set by run() under time_budget
         self.eval_time_limit: float | None = None  # likewise: what the budget has left
+        self.eval_max_tokens: int | None = None  # likewise: eval.max_tokens cut to fit that
         self.validation_seconds = 0.0  # set by run(): the validation set's extraction
 
     def val_dir(self) -> Path | None:
@@ -141,6 +143,8 @@ class Plan:
             section.update(output=str(d), train_data=str(self.dirs["extract"]))  # overlap guard
             if self.eval_time_limit:
                 section["time_limit"] = self.eval_time_limit
+            if self.eval_max_tokens:
+                section["max_tokens"] = self.eval_max_tokens
         stage_yaml = d / "stage.yaml"
         stage_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
         if stage == "train":
@@ -180,3 +184,21 @@ def _loggers(logger: Any, run_dir: Path) -> Any:
         item["init_args"] = {**item.get("init_args", {}), "save_dir": str(run_dir)}
         fixed.append(item)
     return fixed
+
+
+def eval_tokens(cfg: PipelineConfig, validation_s: float, left_s: float) -> tuple[int | None, dict]:
+    """eval.max_tokens under ``cfg.time_budget``, and the accounting behind it: the
+    evaluation is predicted to take ``cfg.eval_cost`` x ``validation_s`` (this run's
+    validation-set extraction, the same work every run) at its configured max_tokens;
+    when that exceeds ``left_s``, every reply is cut in proportion, to EVAL_MIN_TOKENS at
+    least. Replies, not prompts: an engine decodes its prompts together, so its seconds
+    follow the number of decoding steps (13 prompts took as long as 20). None: keep the
+    configured length (nothing measured to predict from)."""
+    asked = cfg.eval.get("max_tokens")
+    if not (asked and validation_s and cfg.eval_cost):
+        return None, {}
+    predicted = cfg.eval_cost * validation_s
+    fits = int(asked * left_s / predicted)
+    n = asked if fits >= asked else max(fits, min(EVAL_MIN_TOKENS, asked))
+    accounting = {"validation_s": round(validation_s, 1), "eval_predicted_s": round(predicted, 1)}
+    return n, {**accounting, "eval_max_tokens": n, "eval_max_tokens_asked": asked}

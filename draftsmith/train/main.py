@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from draftsmith.console import say, stage_log
+from draftsmith.cores import avoid_busy_cores
 from draftsmith.errors import ConfigError, exit_code
 from draftsmith.train.data import EagleDataModule
 from draftsmith.train.module import DraftModule
@@ -100,6 +101,10 @@ class TrainCLI(LightningCLI):
                 f"data.data: {config.data.data} is not a directory; run `draftsmith extract` "
                 "first or point data.data at its output"
             )
+        if runs_on_cpu(config.trainer.accelerator) and strategy in ("auto", None):
+            if note := avoid_busy_cores():  # one process: its threads keep off busy cores
+                torch.set_num_threads(len(os.sched_getaffinity(0)))
+                say(f"train: {note}")
         if not wandb_has_key():
             os.environ.setdefault("WANDB_MODE", "offline")  # logs stay local; `wandb sync` later
         loggers = config.trainer.logger
