@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.console import say
+from draftsmith.cores import avoid_busy_cores
+
 
 @dataclass
 class EngineOptions:
@@ -76,12 +79,8 @@ def engine_kwargs(model: str, options: EngineOptions, max_len: int) -> dict:
     cpu = on_cpu()
     if cpu:
         cpu_runtime_env(options)
-        if options.cpu_avoid_busy_cores:
-            from draftsmith.console import say
-            from draftsmith.cores import avoid_busy_cores
-
-            if note := avoid_busy_cores():
-                say(f"engine: {note}")
+        if options.cpu_avoid_busy_cores and (note := avoid_busy_cores()):
+            say(f"engine: {note}")
     kwargs = dict(
         model=model,
         dtype=("float32" if cpu else "bfloat16")
