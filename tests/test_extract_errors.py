@@ -116,3 +116,65 @@ def test_bad_worker_index(capsys, tiny_model_dir, chats, tmp_path):
         str(tmp_path / "o"),
     )
     assert code == 2 and "worker" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--keep_replies", "0.5"], "regenerate: true"),
+        (["--regenerate", "true", "--keep_replies", "1.5"], "[0, 1]"),
+    ],
+)
+def test_keep_replies_needs_regeneration_and_a_share(
+    capsys, tiny_model_dir, chats, tmp_path, extra, says
+):
+    code, err = run_main(
+        capsys,
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        f"[{chats}]",
+        "--output",
+        str(tmp_path / "o"),
+        *extra,
+    )
+    assert (
+        code == 2 and err.startswith("draftsmith extract") and "keep_replies" in err and says in err
+    )
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
+def test_kept_replies_are_spread_evenly(tokenizer, share):
+    """Every prefix of the conversations with replies keeps `share` of them (rounded
+    down), so a time limit that stops between shards cuts both kinds in proportion;
+    prompts without replies are always answered by the target."""
+    from draftsmith.extract.config import ExtractConfig
+    from draftsmith.extract.plan import plan_items
+    from draftsmith.sources import Conversation, SkipLog
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    prompt = [{"role": "user", "content": "hi"}]
+    convs = [Conversation(f"c:{i}", chat if i % 3 else prompt, "c", i) for i in range(24)]
+    cfg = ExtractConfig(data=["c"], regenerate=True, keep_replies=share)
+    items = plan_items(convs, tokenizer, cfg, SkipLog())
+    assert len(items) == 24
+    kept = [bool(it.input_ids) for it in items]
+    assert not any(kept[::3])  # the prompts
+    with_replies = [k for i, k in enumerate(kept) if i % 3]
+    for n in range(1, len(with_replies) + 1):
+        assert sum(with_replies[:n]) == int(n * share)
+
+
+def test_keep_replies_enters_the_fingerprint_only_when_set():
+    """Datasets written before the option existed keep resuming: an unset share leaves the
+    fingerprint as it was; a set one is part of it."""
+    from types import SimpleNamespace
+
+    from draftsmith.extract.config import ExtractConfig
+    from draftsmith.extract.plan import fingerprint
+
+    target = SimpleNamespace(config_sha256="x")
+    plain = fingerprint(ExtractConfig(data=["c"], regenerate=True), target, [1, 2])
+    mixed = fingerprint(ExtractConfig(data=["c"], regenerate=True, keep_replies=0.5), target, [1])
+    assert "keep_replies" not in plain and mixed["keep_replies"] == 0.5

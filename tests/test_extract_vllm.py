@@ -119,6 +119,38 @@ def test_states_equal_transformers_without_regeneration(tmp_path, tiny_model_dir
         assert ds[i]["loss_mask"].int().tolist() == ref.loss_mask
 
 
+def test_a_mix_keeps_some_replies_and_regenerates_the_rest(tmp_path, tiny_model_dir, tokenizer):
+    """`keep_replies: 0.5` with greedy regeneration: the second chat keeps its own replies
+    (prefilled beside the others, token for token the chat template's), the first and
+    third are answered by the target in the capturing pass; every state matches
+    transformers."""
+    data = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    out = tmp_path / "mix"
+    extract(
+        [
+            f"--model={tiny_model_dir}",
+            f"--data=[{data}]",
+            f"--output={out}",
+            "--regenerate=true",
+            "--keep_replies=0.5",
+            "--max_new_tokens=16",
+            "--dtype=float32",
+        ]
+    )
+    ds = open_dataset(out)
+    samples = {ds[i]["id"]: ds[i] for i in range(len(ds))}
+    assert sorted(samples) == ["chats:1", "chats:2", "chats:3"]  # ids name 1-based rows
+    kept = render_conversation(tokenizer, CHATS[1]["messages"])
+    assert samples["chats:2"]["input_ids"].tolist() == kept.input_ids
+    assert samples["chats:2"]["loss_mask"].tolist() == kept.loss_mask
+    for answered in ("chats:1", "chats:3"):  # two-turn chats, both replies the target's
+        text = tokenizer.decode(samples[answered]["input_ids"])
+        assert "Bonjour !" not in text and "Red, yellow and blue." not in text
+        assert text.count("<|im_start|>assistant") == 2 and samples[answered]["loss_mask"][-1]
+    report = verify_dataset(str(out), 3)
+    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
+
+
 def shard_files(out: Path) -> dict[int, str]:
     """Finished shards (file and sidecar both present) by index."""
     return {

@@ -210,11 +210,14 @@ def test_validation_section_is_extracted_beside_the_data_and_validates_training(
     config = tiny_config(tmp_path, tiny_model_dir)
     base = [f"--config={config}", "--dry_run=true"]
     args = [*base, "--validation.data", "sharegpt@heldout", "--validation.limit", "4"]
+    args += ["--extract.keep_replies", "0.5"]  # a training mix; validation keeps the target's
     assert pipeline_main(args) == 0
     plan, plain = Plan(parse_pipeline(args)), Plan(parse_pipeline(base))
     val = yaml.safe_load((plan.dirs["extract"] / "val" / "stage.yaml").read_text())
     assert val["data"] == "sharegpt@heldout" and val["limit"] == 4
     assert val["regenerate"] is True  # the extract section's options, the validation's on top
+    assert "keep_replies" not in val
+    assert yaml.safe_load((plan.dirs["extract"] / "stage.yaml").read_text())["keep_replies"] == 0.5
     train = yaml.safe_load((plan.dirs["train"] / "stage.yaml").read_text())
     assert train["data"]["val_data"] == str(plan.dirs["extract"] / "val")
     assert plan.dirs["extract"] != plain.dirs["extract"]

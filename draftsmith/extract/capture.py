@@ -9,7 +9,8 @@ Sampled regeneration cannot run in the capturing engine: in vLLM 0.32 the
 ``extract_hidden_states`` method's dummy draft token is accepted far too often under
 sampling (replies degenerate into repeated tokens; greedy is exact). Sampled replies
 are therefore written by a plain engine first (`write_replies`) and captured here by
-prefilling their exact token ids.
+prefilling their exact token ids. Samples that keep their own replies
+(``keep_replies``) are prefilled beside the others, in the same engine call.
 """
 
 from __future__ import annotations
@@ -49,27 +50,25 @@ def capture_shard(
     `written` holds sequences whose replies a plain engine already wrote (sampled
     regeneration); they are captured by prefill.
     """
-    in_pass = cfg.regenerate and written is None
+    ready = [(it, it.input_ids, it.loss_mask) for it in items if it.input_ids]
     if written is not None:
-        requests = written
-    elif cfg.regenerate:
-        requests = _final_prompts(llm, tokenizer, items, cfg, skips)
+        fresh, ready = [], written + ready
     else:
-        requests = [(it, it.input_ids, it.loss_mask) for it in items]
+        fresh = _final_prompts(llm, tokenizer, _to_answer(items), cfg, skips)
+    requests = fresh + ready  # the first len(fresh) are answered in this pass
     if not requests:
         return []
     from vllm import SamplingParams
 
     prefill = SamplingParams(max_tokens=1, temperature=0.0)
-    params = [
-        _reply_params(cfg, len(ids), capture=True) if in_pass else prefill for _, ids, _ in requests
-    ]
+    params = [_reply_params(cfg, len(ids), capture=True) for _, ids, _ in fresh]
+    params += [prefill] * len(ready)
     outputs = llm.generate(
         [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
     )
     samples = []
-    for (item, ids, mask), out in zip(requests, outputs, strict=True):
-        if in_pass:
+    for n, ((item, ids, mask), out) in enumerate(zip(requests, outputs, strict=True)):
+        if n < len(fresh):
             extended = _with_reply(item, ids, mask, out, skips)
             if extended is None:
                 _discard(out)
@@ -96,8 +95,9 @@ def capture_shard(
 def write_replies(
     llm, tokenizer, items: list[Item], cfg: ExtractConfig, skips: SkipLog
 ) -> list[Sequence]:
-    """Answer every user turn with a plain (non-capturing) engine; return whole sequences."""
-    requests = _final_prompts(llm, tokenizer, items, cfg, skips)
+    """Answer every user turn of the items without final ids with a plain (non-capturing)
+    engine; return their whole sequences."""
+    requests = _final_prompts(llm, tokenizer, _to_answer(items), cfg, skips)
     params = [_reply_params(cfg, len(ids), capture=False) for _, ids, _ in requests]
     outputs = llm.generate(
         [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
@@ -108,6 +108,11 @@ def write_replies(
         if extended is not None:
             written.append((item, *extended))
     return written
+
+
+def _to_answer(items: list[Item]) -> list[Item]:
+    """The items whose replies the target writes (the others keep theirs: final ids)."""
+    return [it for it in items if not it.input_ids]
 
 
 def _with_reply(item: Item, ids: list[int], mask: list[int], out, skips: SkipLog):
@@ -140,6 +145,8 @@ def _final_prompts(
     Earlier turns are answered without capture (``save: False``); their replies
     become part of the final prompt, whose assistant turns are in its loss mask.
     """
+    if not items:
+        return []
     histories = {it.id: [] for it in items}
     turns = {it.id: it.messages for it in items}
     rounds = max(sum(m["role"] == "user" for m in it.messages) for it in items)

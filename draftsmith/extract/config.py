@@ -27,6 +27,11 @@ class ExtractConfig:
     embeddings, N = last layer before the final norm); null = [2, N//2, N-3, N]."""
     regenerate: bool = False
     """Replace assistant turns with the target's own replies, written in the capturing pass."""
+    keep_replies: float = 0.0
+    """With `regenerate`, the share of conversations with assistant turns that keep their own
+    replies (captured by prefill) instead of the target's: a mix of the corpus's replies and
+    the target's, e.g. `data: sharegpt:full` with 0.5. Kept ones are spread evenly through
+    the data, so a time limit cuts both kinds in proportion. 0 = the target answers all."""
     temperature: float = 0.0
     """Sampling temperature of regenerated replies (0 = greedy)."""
     max_new_tokens: int = 512

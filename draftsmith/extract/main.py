@@ -39,6 +39,13 @@ def check_config(cfg: ExtractConfig) -> None:
         raise ConfigError(f"samples_per_shard: {cfg.samples_per_shard}; give a positive number.")
     if cfg.max_length < 2:
         raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
+    if not 0.0 <= cfg.keep_replies <= 1.0:
+        raise ConfigError(f"keep_replies: {cfg.keep_replies} is a share; give a number in [0, 1].")
+    if cfg.keep_replies and not cfg.regenerate:
+        raise ConfigError(
+            f"keep_replies: {cfg.keep_replies} mixes kept and regenerated replies; set "
+            "regenerate: true (without it every reply is kept already)."
+        )
 
 
 def staging_dir(cfg: ExtractConfig, output: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,8 +46,9 @@ class OutputMismatch(DraftsmithError):
 class Item:
     """One planned sample.
 
-    Without regeneration `input_ids` / `loss_mask` are final; with it they are empty and
-    the messages' user turns are answered by the target during capture.
+    Without regeneration (or when the sample keeps its replies) `input_ids` / `loss_mask`
+    are final; with it they are empty and the messages' user turns are answered by the
+    target during capture.
     """
 
     id: str
@@ -57,11 +59,14 @@ class Item:
 
 def fingerprint(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int]) -> dict:
     """What an output directory's content depends on."""
-    return {
+    fp = {
         "target_config_sha256": target.config_sha256,
         "layer_ids": list(layer_ids),
         **{key: getattr(cfg, key) for key in CONTENT_KEYS},
     }
+    if cfg.keep_replies:  # only when set: datasets written before the option still resume
+        fp["keep_replies"] = cfg.keep_replies
+    return fp
 
 
 def check_fingerprint(output: Path, expected: dict) -> None:
@@ -89,8 +94,10 @@ def plan_items(
 ) -> list[Item]:
     """Tokenise (or, with regeneration, only check) every conversation; skip and count."""
     items: list[Item] = []
+    keeps = _keeper(cfg.keep_replies)
     for conv in convs:
-        if cfg.regenerate:
+        has_replies = any(m["role"] == "assistant" for m in conv.messages)
+        if cfg.regenerate and not (has_replies and keeps()):
             users = [m for m in conv.messages if m["role"] == "user"]
             if not users:
                 skips.add(conv, conv.row, "no_user_turn")
@@ -119,6 +126,22 @@ def plan_items(
     if cfg.limit is not None:
         items = items[: cfg.limit]
     return items
+
+
+def _keeper(share: float):
+    """A callable that says, for the next conversation with replies, whether it keeps them.
+
+    The j-th (from 0) keeps them when ``floor((j + 1) * share) > floor(j * share)``: the
+    kept ones are spread evenly, ``share`` of every prefix (0.5: every second one).
+    """
+    count = 0
+
+    def keeps() -> bool:
+        nonlocal count
+        count += 1
+        return math.floor(count * share) > math.floor((count - 1) * share)
+
+    return keeps
 
 
 def shard_ids(items: list[Item], per_shard: int) -> list[list[str]]:

@@ -46,11 +46,11 @@ class PipelineConfig:
     """`draftsmith train fit` config (configs/train/*.yaml); paths are filled in."""
     validation: dict[str, Any] = field(default_factory=dict)
     """`draftsmith extract` options of a separate validation dataset, merged over the
-    extract section, e.g. {data: sharegpt@heldout, limit: 40}: a held-out slice of a broad
-    source answered by the target, so that training's simulated acceptance predicts
-    serving. Written to ``<extract dir>/val`` before the training data (its seconds count
-    in extract_share) and given to training as ``data.val_data``. Empty: training validates
-    on a slice of its own data (train.data.val_fraction)."""
+    extract section (all but `keep_replies`), e.g. {data: sharegpt@heldout, limit: 40}: a
+    held-out slice of a broad source answered by the target, so that training's simulated
+    acceptance predicts serving. Written to ``<extract dir>/val`` before the training data
+    (its seconds count in extract_share) and given to training as ``data.val_data``. Empty:
+    training validates on a slice of its own data (train.data.val_fraction)."""
     export: dict[str, Any] = field(default_factory=dict)
     """`draftsmith export` options: num_speculative_tokens, dtype."""
     eval: dict[str, Any] = field(default_factory=dict)

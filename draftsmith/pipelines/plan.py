@@ -103,7 +103,10 @@ class Plan:
         d = self.val_dir()
         assert d is not None
         d.mkdir(parents=True, exist_ok=True)
-        section = {**self.cfg.extract, **self.cfg.validation}
+        # A mix of kept and regenerated replies is for training; validation measures the
+        # target's own replies unless its section says otherwise.
+        inherited = {k: v for k, v in self.cfg.extract.items() if k != "keep_replies"}
+        section = {**inherited, **self.cfg.validation}
         section.update(model=self.cfg.model, output=str(d))
         (d / "stage.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
         return [f"--config={d / 'stage.yaml'}"]
