@@ -20,7 +20,7 @@ import torch
 
 from draftsmith.extract.dataset import open_dataset
 from draftsmith.extract.verify import verify_dataset
-from draftsmith.template import render_conversation
+from draftsmith.template import render_conversation, render_prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -121,10 +121,19 @@ def test_states_equal_transformers_without_regeneration(tmp_path, tiny_model_dir
 
 def test_a_mix_keeps_some_replies_and_regenerates_the_rest(tmp_path, tiny_model_dir, tokenizer):
     """`keep_replies: 0.5` with greedy regeneration: the second chat keeps its own replies
-    (prefilled beside the others, token for token the chat template's), the first and
-    third are answered by the target in the capturing pass; every state matches
-    transformers."""
+    (prefilled beside the others, token for token the chat template's); the target
+    answers the first and third in the capturing pass. Their second rounds do not fit
+    `max_length`, so each ends after its first round (counted as truncated, not lost).
+    Every state matches transformers."""
     data = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    first_rounds = [
+        render_prompt(tokenizer, [{"role": "user", "content": chat[0]}])
+        for chat in (["Name three primary colours."], ["Say hello in French."])
+    ]
+    # A second round adds a reply and about 15 template and user tokens: it cannot fit.
+    max_length = max(map(len, first_rounds)) + 8
+    kept = render_conversation(tokenizer, CHATS[1]["messages"])
+    assert len(kept.input_ids) <= max_length
     out = tmp_path / "mix"
     extract(
         [
@@ -134,19 +143,22 @@ def test_a_mix_keeps_some_replies_and_regenerates_the_rest(tmp_path, tiny_model_
             "--regenerate=true",
             "--keep_replies=0.5",
             "--max_new_tokens=16",
+            f"--max_length={max_length}",
             "--dtype=float32",
         ]
     )
     ds = open_dataset(out)
     samples = {ds[i]["id"]: ds[i] for i in range(len(ds))}
     assert sorted(samples) == ["chats:1", "chats:2", "chats:3"]  # ids name 1-based rows
-    kept = render_conversation(tokenizer, CHATS[1]["messages"])
     assert samples["chats:2"]["input_ids"].tolist() == kept.input_ids
     assert samples["chats:2"]["loss_mask"].tolist() == kept.loss_mask
-    for answered in ("chats:1", "chats:3"):  # two-turn chats, both replies the target's
-        text = tokenizer.decode(samples[answered]["input_ids"])
-        assert "Bonjour !" not in text and "Red, yellow and blue." not in text
-        assert text.count("<|im_start|>assistant") == 2 and samples[answered]["loss_mask"][-1]
+    for answered, prompt in zip(("chats:1", "chats:3"), first_rounds, strict=True):
+        sample = samples[answered]
+        assert sample["input_ids"][: len(prompt)].tolist() == prompt  # the first round
+        text = tokenizer.decode(sample["input_ids"])
+        assert "Red, yellow" not in text and "Bonjour" not in text  # the target's reply
+        assert text.count("<|im_start|>user") == 1 and sample["loss_mask"][-1]
+    assert ds.manifest["skipped"]["truncated"] == 2 and ds.manifest["skipped"]["count"] == 0
     report = verify_dataset(str(out), 3)
     assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
 

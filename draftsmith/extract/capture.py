@@ -143,7 +143,10 @@ def _final_prompts(
     """Answer all but the last user turn of every item; return final-round prompts.
 
     Earlier turns are answered without capture (``save: False``); their replies
-    become part of the final prompt, whose assistant turns are in its loss mask.
+    become part of the final prompt, whose assistant turns are in its loss mask. A
+    conversation whose next round no longer fits `max_length` ends at the last round that
+    did (``overlong: truncate``, counted as truncated; that round's reply is written again,
+    captured) or is skipped (``overlong: skip``, or when its first round does not fit).
     """
     if not items:
         return []
@@ -151,6 +154,7 @@ def _final_prompts(
     turns = {it.id: it.messages for it in items}
     rounds = max(sum(m["role"] == "user" for m in it.messages) for it in items)
     final: dict[str, tuple[list[int], list[int]]] = {}
+    last: dict[str, tuple[list[int], list[int]]] = {}  # each item's latest round that fit
     for r in range(rounds):
         batch = []
         for it in items:
@@ -167,12 +171,18 @@ def _final_prompts(
             rendered = render_prompt(tokenizer, history, with_mask=True)
             ids, mask = rendered.input_ids, rendered.loss_mask
             if len(ids) >= cfg.max_length:
-                skips.add(it.id, None, "too_long", f"prompt of {len(ids)} tokens in round {r + 1}")
                 turns.pop(it.id)
+                if it.id in last and cfg.overlong == "truncate":
+                    final[it.id] = last[it.id]
+                    skips.truncated += 1
+                else:
+                    detail = f"prompt of {len(ids)} tokens in round {r + 1}"
+                    skips.add(it.id, None, "too_long", detail)
                 continue
             if not any(m["role"] == "user" for m in pending):
                 final[it.id] = (ids, mask)
             else:
+                last[it.id] = (ids, mask)
                 batch.append((it, ids))
         if batch:
             params = [_reply_params(cfg, len(ids), capture=False) for _, ids in batch]

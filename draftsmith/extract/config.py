@@ -39,7 +39,8 @@ class ExtractConfig:
     max_length: int = 2048
     """Longest stored sequence, in tokens."""
     overlong: Literal["truncate", "skip"] = "truncate"
-    """What to do with a conversation over `max_length`: cut it, or skip it (counted)."""
+    """What to do with a conversation over `max_length`: cut it, or skip it (counted). With
+    `regenerate`, cutting ends a conversation at the last round whose prompt fits."""
     bad_rows: Literal["error", "skip"] = "error"
     """A malformed input row stops the run with a one-line error, or is skipped and counted."""
     limit: int | None = None

@@ -161,6 +161,7 @@ def run(cfg: ExtractConfig) -> dict:
                 **info.to_dict(),
                 "seconds": round(time.monotonic() - shard_start, 3),
                 "skipped": shard_skips.to_dict()["rows"],
+                "truncated": shard_skips.truncated,  # conversations cut to the rounds that fit
             },
         )
         manifest.build_manifest(output, target, layer_ids, config)
@@ -192,6 +193,7 @@ def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) ->
         skips = SkipLog()
         for row in data["skipped"]["rows"]:
             skips.add(row["id"], None, row["reason"], row.get("detail", ""))
+        skips.truncated = data["skipped"].get("truncated", 0)
         seqs = [(by_id[r["id"]], r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
         written[k] = (seqs, skips)
     return written

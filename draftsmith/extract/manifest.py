@@ -82,14 +82,15 @@ def build_manifest(
     planned shard: its whole shards form a dataset that training reads."""
     plan = json.loads((output / PLAN_FILE).read_text())
     shards, skipped_rows = [], list(plan["skipped"]["rows"])
-    skipped_count = plan["skipped"]["count"]
+    skipped_count, truncated = plan["skipped"]["count"], plan["skipped"].get("truncated", 0)
     for index in range(len(plan["shards"])):
         sidecar = sidecar_path(output, index)
         if sidecar.is_file():
             info = json.loads(sidecar.read_text())
             skipped_rows += info.get("skipped", [])
             skipped_count += len(info.get("skipped", []))
-            shards.append({k: v for k, v in info.items() if k != "skipped"})
+            truncated += info.get("truncated", 0)
+            shards.append({k: v for k, v in info.items() if k not in ("skipped", "truncated")})
     by_reason: dict[str, int] = dict(plan["skipped"]["by_reason"])
     for row in skipped_rows[len(plan["skipped"]["rows"]) :]:
         by_reason[row["reason"]] = by_reason.get(row["reason"], 0) + 1
@@ -116,7 +117,7 @@ def build_manifest(
         "skipped": {
             "count": skipped_count,
             "by_reason": by_reason,
-            "truncated": plan["skipped"].get("truncated", 0),
+            "truncated": truncated,
             "rows": skipped_rows[:1000],
         },
         "config": config,
