@@ -61,19 +61,24 @@ class PipelineConfig:
     (the data shrinks, whole shards), training runs for ``train_share`` of it plus any
     seconds extraction left unused (fixed whatever the hour: a slow machine gets less
     data, never less training), and the evaluation has the rest: its replies
-    (``eval.max_tokens``) shorten when ``eval_cost`` predicts it would overrun, and suffix
-    decoding is skipped when it would. Needs the extract stage (not ``data:``)."""
+    (``eval.max_tokens``) shorten when ``eval_engine_cost`` predicts it would overrun, and
+    suffix decoding is skipped when it would. Needs the extract stage (not ``data:``)."""
     extract_share: float = 0.30
     """Share of time_budget extraction may use (engine starts and prompt writing included)."""
     train_share: float = 0.40
     """Share of time_budget training gets at least (trainer.max_time), less TRAIN_STARTUP_S."""
-    eval_cost: float = 5.0
-    """Under time_budget: the evaluation's seconds at ``eval.max_tokens`` per second the
-    validation set took to extract in this run. The validation set is the same work every
-    run (the same prompts, greedy replies), so its seconds measure this hour's speed; when
-    ``eval_cost`` x those seconds exceed what the budget has left, every reply is cut in
-    proportion (``eval.max_tokens``, never below EVAL_MIN_TOKENS), the same for every
-    method. 0 turns it off. Measured values: docs/head-quality.md."""
+    eval_engine_cost: float = 1.3
+    """Under time_budget: the seconds one evaluation engine takes at ``eval.max_tokens``,
+    per second the validation set took to extract in this run. The validation set is the
+    same work every run (the same prompts, greedy replies), so its seconds measure this
+    hour's speed. When the engines would overrun what the budget has left, the optional
+    baseline (suffix) is left to run only if time remains, then every reply is cut
+    (``eval.max_tokens``, never below EVAL_MIN_TOKENS), the same for every method. 0 turns
+    the prediction off. Measured for 20 + 20 prompts, one temperature:
+    docs/head-quality.md."""
+    eval_fixed_share: float = 0.7
+    """Share of ``eval_engine_cost`` that cutting replies does not save: the engine's start,
+    the prefill, and the replies that end before the cut."""
     stop_after: Literal["extract", "train", "export", "eval"] = "eval"
     """Last stage to run."""
     dry_run: bool = False

@@ -131,10 +131,12 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             plan.eval_max_tokens, accounting = eval_tokens(cfg, plan.validation_seconds, left)
             state.setdefault("budget", {}).update(accounting)
             if plan.eval_max_tokens and plan.eval_max_tokens < accounting["eval_max_tokens_asked"]:
-                say(f"pipeline: time_budget: {left:.0f} s left, the evaluation at "
-                    f"{accounting['eval_max_tokens_asked']} tokens per reply would take about "
-                    f"{accounting['eval_predicted_s']:.0f} s: {plan.eval_max_tokens} tokens "
-                    "per reply")  # fmt: skip
+                optional = accounting["eval_engines_optional"]
+                rest = ", suffix only if time is left" if optional else ""
+                say(f"pipeline: time_budget: {left:.0f} s left; {accounting['eval_engines']} "
+                    f"engines at {accounting['eval_max_tokens_asked']} tokens per reply would "
+                    f"take about {accounting['eval_predicted_s']:.0f} s: replies cut to "
+                    f"{plan.eval_max_tokens} tokens{rest}")  # fmt: skip
         say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
         # The validation set and the data share one engine; it shuts down (and logs that)

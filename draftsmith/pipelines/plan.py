@@ -7,6 +7,7 @@ config changed. Under ``time_budget`` the plan also carries each stage's share.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import (
     STAGES,
     PipelineConfig,
@@ -189,19 +191,44 @@ def _loggers(logger: Any, run_dir: Path) -> Any:
     return fixed
 
 
+def eval_engines(section: dict[str, Any]) -> tuple[int, int]:
+    """(engines the evaluation starts, how many of them a time limit may skip) for a
+    pipeline's eval section, which always has a head."""
+    from draftsmith.evaluate.runs import plan_methods, skippable_under_time_limit  # torch
+
+    known = {f.name for f in dataclasses.fields(EvalConfig)} - {"engine"}
+    cfg = EvalConfig(**{key: v for key, v in section.items() if key in known}, head="head")
+    methods = plan_methods(cfg, sorted(set(cfg.k)))
+    return len(methods), sum(map(skippable_under_time_limit, methods))
+
+
 def eval_tokens(cfg: PipelineConfig, validation_s: float, left_s: float) -> tuple[int | None, dict]:
-    """eval.max_tokens under ``cfg.time_budget``, and the accounting behind it: the
-    evaluation is predicted to take ``cfg.eval_cost`` x ``validation_s`` (this run's
-    validation-set extraction, the same work every run) at its configured max_tokens;
-    when that exceeds ``left_s``, every reply is cut in proportion, to EVAL_MIN_TOKENS at
-    least. Replies, not prompts: an engine decodes its prompts together, so its seconds
-    follow the number of decoding steps (13 prompts took as long as 20). None: keep the
-    configured length (nothing measured to predict from)."""
-    asked = cfg.eval.get("max_tokens")
-    if not (asked and validation_s and cfg.eval_cost):
+    """eval.max_tokens under ``cfg.time_budget``, and the accounting behind it.
+
+    Each engine is predicted to take ``cfg.eval_engine_cost`` x ``validation_s`` (this
+    run's validation-set extraction, the same work every run) at the configured
+    max_tokens, of which ``cfg.eval_fixed_share`` does not shrink with shorter replies.
+    When every engine fits, nothing changes. Otherwise the replies are cut so that the
+    engines a time limit cannot skip fit ``left_s`` (suffix then runs only if time is
+    left), to EVAL_MIN_TOKENS at least. Replies, not prompts: an engine decodes its
+    prompts together, so its seconds follow the number of decoding steps (13 prompts took
+    as long as 20). None: keep the configured length (nothing measured to predict from)."""
+    asked = cfg.eval.get("max_tokens", EvalConfig.max_tokens)
+    if not (validation_s and cfg.eval_engine_cost):
         return None, {}
-    predicted = cfg.eval_cost * validation_s
-    fits = int(asked * left_s / predicted)
-    n = asked if fits >= asked else max(fits, min(EVAL_MIN_TOKENS, asked))
-    accounting = {"validation_s": round(validation_s, 1), "eval_predicted_s": round(predicted, 1)}
-    return n, {**accounting, "eval_max_tokens": n, "eval_max_tokens_asked": asked}
+    engines, optional = eval_engines(cfg.eval)
+    per_engine = cfg.eval_engine_cost * validation_s
+    fixed, decode = per_engine * cfg.eval_fixed_share, per_engine * (1 - cfg.eval_fixed_share)
+    predicted = engines * per_engine
+    required = engines - optional
+    fits = asked if predicted <= left_s else int(asked * (left_s / required - fixed) / decode)
+    n = min(asked, max(fits, min(EVAL_MIN_TOKENS, asked)))
+    accounting = {
+        "validation_s": round(validation_s, 1),
+        "eval_engines": engines,
+        "eval_engines_optional": optional,
+        "eval_predicted_s": round(predicted, 1),
+        "eval_max_tokens": n,
+        "eval_max_tokens_asked": asked,
+    }
+    return n, accounting
