@@ -179,6 +179,8 @@ def test_time_budget_errors_name_the_option(tmp_path):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="19 minutes"))
     with pytest.raises(PipelineError, match="extract_share=0.7, train_share=0.4: each"):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", extract_share=0.7))
+    with pytest.raises(PipelineError, match="eval_fixed_share=1.0, .*must be in \\[0, 1\\)"):
+        Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", eval_fixed_share=1.0))
     (tmp_path / "manifest.json").write_text("{}")
     with pytest.raises(PipelineError, match="time_budget shares the run.*data: skips"):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", data=str(tmp_path)))

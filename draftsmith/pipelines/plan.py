@@ -75,6 +75,12 @@ class Plan:
                     f"extract_share={cfg.extract_share}, train_share={cfg.train_share}: each "
                     "must be > 0 and together < 1 (the evaluation has the rest)"
                 )
+            if not (0 <= cfg.eval_fixed_share < 1 and cfg.eval_engine_cost >= 0):
+                raise PipelineError(
+                    f"eval_fixed_share={cfg.eval_fixed_share}, eval_engine_cost="
+                    f"{cfg.eval_engine_cost}: the share must be in [0, 1) (some of an engine's "
+                    "seconds follow its replies' length) and the cost >= 0 (0: no prediction)"
+                )
             if cfg.data:
                 raise PipelineError(
                     "time_budget shares the run between the stages, but data: skips "
