@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import PipelineConfig, PipelineError, parse_pipeline
 from draftsmith.pipelines.main import main as pipeline_main
 from draftsmith.pipelines.plan import (
@@ -135,17 +136,19 @@ def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_p
 def test_time_budget_shortens_the_evaluations_replies_when_the_hour_is_slow(tmp_path):
     three = {"k": [1, 2, 3], "baselines": ["none", "ngram", "suffix"], "max_tokens": 256}
     cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:20:00", eval=three)
-    assert eval_engines(three) == (4, 1)  # none, head, ngram, suffix (k=3, the rest derived)
-    assert eval_engines({**three, "derive_k": False}) == (10, 3)  # every k its own engine
+    section = EvalConfig(**three, head="head")
+    assert eval_engines(section) == (4, 1)  # none, head, ngram, suffix (k=3, the rest derived)
+    every_k = EvalConfig(**three, head="head", derive_k=False)
+    assert eval_engines(every_k) == (10, 3)  # every k its own engine
     # 1.3 x 60 = 78 s per engine at 256 tokens (70% of it fixed): 4 x 78 = 312 s
-    n, info = eval_tokens(cfg, validation_s=60.0, left_s=400.0)
+    n, info = eval_tokens(cfg, section, validation_s=60.0, left_s=400.0)
     assert n == 256 and info["eval_predicted_s"] == 312.0 and info["eval_engines"] == 4
     # a slow hour, 100 s: the three required engines fit 330 s at 256 x (110 - 91) / 39
-    n, info = eval_tokens(cfg, validation_s=100.0, left_s=330.0)
+    n, info = eval_tokens(cfg, section, validation_s=100.0, left_s=330.0)
     assert n == 124 and info["eval_max_tokens_asked"] == 256 and info["eval_engines_optional"]
-    n, _ = eval_tokens(cfg, validation_s=600.0, left_s=100.0)  # never below the floor
+    n, _ = eval_tokens(cfg, section, validation_s=600.0, left_s=100.0)  # never below the floor
     assert n == EVAL_MIN_TOKENS
-    assert eval_tokens(cfg, validation_s=0.0, left_s=100.0) == (None, {})  # nothing measured
+    assert eval_tokens(cfg, section, validation_s=0.0, left_s=100.0) == (None, {})
     plan = Plan(cfg)
     plan.eval_max_tokens = 170  # what run() sets before the eval stage
     plan.stage_args("eval")

@@ -128,7 +128,10 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             used = time.monotonic() - run_started
             left = max(seconds_of(cfg.time_budget) - used, 60.0)
             plan.eval_time_limit = round(left)
-            plan.eval_max_tokens, accounting = eval_tokens(cfg, plan.validation_seconds, left)
+            section = stage_config("eval", plan.stage_args("eval"))
+            plan.eval_max_tokens, accounting = eval_tokens(
+                cfg, section, plan.validation_seconds, left
+            )
             state.setdefault("budget", {}).update(accounting)
             if plan.eval_max_tokens and plan.eval_max_tokens < accounting["eval_max_tokens_asked"]:
                 optional = accounting["eval_engines_optional"]

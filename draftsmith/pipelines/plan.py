@@ -7,7 +7,6 @@ config changed. Under ``time_budget`` the plan also carries each stage's share.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from draftsmith.evaluate.checks import check_k
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import (
     STAGES,
@@ -197,19 +197,20 @@ def _loggers(logger: Any, run_dir: Path) -> Any:
     return fixed
 
 
-def eval_engines(section: dict[str, Any]) -> tuple[int, int]:
-    """(engines the evaluation starts, how many of them a time limit may skip) for a
-    pipeline's eval section, which always has a head."""
+def eval_engines(section: EvalConfig) -> tuple[int, int]:
+    """(engines the evaluation starts, how many of them a time limit may skip), counted by
+    the evaluation's own plan."""
     from draftsmith.evaluate.runs import plan_methods, skippable_under_time_limit  # torch
 
-    known = {f.name for f in dataclasses.fields(EvalConfig)} - {"engine"}
-    cfg = EvalConfig(**{key: v for key, v in section.items() if key in known}, head="head")
-    methods = plan_methods(cfg, sorted(set(cfg.k)))
+    methods = plan_methods(section, check_k(section.k))
     return len(methods), sum(map(skippable_under_time_limit, methods))
 
 
-def eval_tokens(cfg: PipelineConfig, validation_s: float, left_s: float) -> tuple[int | None, dict]:
-    """eval.max_tokens under ``cfg.time_budget``, and the accounting behind it.
+def eval_tokens(
+    cfg: PipelineConfig, section: EvalConfig, validation_s: float, left_s: float
+) -> tuple[int | None, dict]:
+    """eval.max_tokens under ``cfg.time_budget`` for the eval stage's parsed ``section``,
+    and the accounting behind it.
 
     Each engine is predicted to take ``cfg.eval_engine_cost`` x ``validation_s`` (this
     run's validation-set extraction, the same work every run) at the configured
@@ -219,10 +220,10 @@ def eval_tokens(cfg: PipelineConfig, validation_s: float, left_s: float) -> tupl
     left), to EVAL_MIN_TOKENS at least. Replies, not prompts: an engine decodes its
     prompts together, so its seconds follow the number of decoding steps (13 prompts took
     as long as 20). None: keep the configured length (nothing measured to predict from)."""
-    asked = cfg.eval.get("max_tokens", EvalConfig.max_tokens)
+    asked = section.max_tokens
     if not (validation_s and cfg.eval_engine_cost):
         return None, {}
-    engines, optional = eval_engines(cfg.eval)
+    engines, optional = eval_engines(section)
     per_engine = cfg.eval_engine_cost * validation_s
     fixed, decode = per_engine * cfg.eval_fixed_share, per_engine * (1 - cfg.eval_fixed_share)
     predicted = engines * per_engine
