@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import sys
 
-from draftsmith.console import VERBOSE_ENV
-from draftsmith.stages import COMMANDS
+from draftsmith.core.console import VERBOSE_ENV
+from draftsmith.pipelines.stages import COMMANDS
 
 
 def usage() -> str:

@@ -38,7 +38,7 @@ TINY = dict(
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct directory (materialised once, cached)."""
-    from draftsmith.targets import resolve_model
+    from draftsmith.core.targets import resolve_model
 
     return Path(resolve_model("smollm2-135m"))
 
@@ -50,38 +50,108 @@ def tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def build_tiny_llama(
-    out: Path, tokenizer_dir: Path, seed: int = 0, norm_scale: float = 1.0, **overrides
+TEMPLATES = Path(__file__).parent / "templates"
+
+# Tiny targets of each model family the matrix (tests/test_families.py) runs: transformers'
+# own config class (`model_type`) with the family's distinctive options, and a chat template
+# of the family's shape (tests/templates/). Sizes come from TINY; MoE families get 4 small
+# experts. `pad_vocab` adds unused embedding rows past the tokenizer's ids, as Qwen's
+# checkpoints do (151936 rows for 151665 tokens).
+FAMILIES = {
+    "llama": dict(model_type="llama", template="llama3", tie_word_embeddings=True),
+    "mistral": dict(model_type="mistral", template="mistral", sliding_window=None),
+    "qwen2": dict(model_type="qwen2", template="chatml", pad_vocab=128),
+    "qwen3": dict(model_type="qwen3", template="qwen3", tie_word_embeddings=True),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        template="qwen3",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        template="harmony",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=128,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * (TINY["num_hidden_layers"] // 2),
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            original_max_position_embeddings=512,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+        pad_vocab=128,
+    ),
+    "granite": dict(
+        model_type="granite",
+        template="granite",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=1 / 64,
+        logits_scaling=8.0,
+    ),
+}
+
+
+def build_tiny_target(
+    out: Path,
+    tokenizer_dir: Path,
+    family: str = "llama",
+    seed: int = 0,
+    norm_scale: float = 1.0,
+    own_template: bool = False,
+    **overrides,
 ) -> Path:
-    """Write a random float32 Llama with the given tokenizer to `out`; return `out`.
+    """Write a random float32 model of `family` (see FAMILIES) with the given tokenizer to
+    `out`; return `out`. The tokenizer gets the family's template from tests/templates
+    unless `own_template` (keep the tokenizer's own: SmolLM2's ChatML).
 
     ``norm_scale`` multiplies the final norm's weight: > 1 sharpens next-token distributions
     (a near-deterministic target, which a small head can learn to predict)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    spec = dict(FAMILIES[family])
+    model_type, template = spec.pop("model_type"), spec.pop("template")
+    pad = overrides.pop("pad_vocab", spec.pop("pad_vocab", 0))
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if not own_template:
+        tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        **{**TINY, **overrides},
-        vocab_size=len(tok),
+    config = AutoConfig.for_model(
+        model_type,
+        **{"tie_word_embeddings": False, **TINY, **spec, **overrides},
+        vocab_size=len(tok) + pad,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
         dtype="float32",
     )
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     # Larger random weights than the default init give peaked next-token
     # distributions, so greedy text is not a single repeated token.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-        model.model.norm.weight.fill_(norm_scale)
+        model.get_decoder().norm.weight.fill_(norm_scale)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+def build_tiny_llama(out: Path, tokenizer_dir: Path, **kw) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and template: see build_tiny_target."""
+    return build_tiny_target(out, tokenizer_dir, "llama", own_template=True, **kw)
 
 
 @pytest.fixture(scope="session")
@@ -171,6 +241,12 @@ def make_tiny_llama(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def make_tiny_target(smollm2_dir):
+    """Builder of tiny targets by family: ``make_tiny_target(out_dir, "qwen3", seed=1)``."""
+    return lambda out, family, **kw: build_tiny_target(out, smollm2_dir, family, **kw)
+
+
+@pytest.fixture(scope="session")
 def make_eagle3_head(tiny_model_dir):
     """Builder for heads of the tiny target: ``make_eagle3_head(out, target_hidden_size=64)``."""
     return lambda out, **kw: write_random_eagle3_head(out, tiny_model_dir, **kw)
@@ -189,12 +265,12 @@ def build_hf_dataset(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftsmith.conversations.template import render_prompt
+    from draftsmith.core.files import write_json_atomic
+    from draftsmith.core.targets import read_target
     from draftsmith.extract.manifest import target_entry
     from draftsmith.extract.store import write_shard
     from draftsmith.extract.verify import reference_states
-    from draftsmith.files import write_json_atomic
-    from draftsmith.targets import read_target
-    from draftsmith.template import render_prompt
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

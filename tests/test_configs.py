@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from draftsmith.cli import main as cli_main
-from draftsmith.config import parse_config
+from draftsmith.core.config import parse_config
+from draftsmith.core.targets import validate_layer_ids
 from draftsmith.evaluate.checks import check_k
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.targets import validate_layer_ids
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXTRACT = sorted((CONFIGS / "extract").glob("*.yaml"))
@@ -93,7 +93,7 @@ def test_train_configs_parse_and_validate(path, capsys):
 
 
 def test_cpu_runtime_env_fills_defaults_and_keeps_the_users(tmp_path, monkeypatch):
-    from draftsmith.engine import EngineOptions, cpu_runtime_env
+    from draftsmith.core.engine import EngineOptions, cpu_runtime_env
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").touch()
@@ -107,3 +107,27 @@ def test_cpu_runtime_env_fills_defaults_and_keeps_the_users(tmp_path, monkeypatc
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     cpu_runtime_env(EngineOptions(cpu_preload_iomp=False), env)
     assert env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # the user's choice stands
+
+
+# Recipes for large targets, each dry-run against its target's own config.json (kept in
+# configs/targets/ since the hub is out of reach here): layer ids, draft vocabulary and
+# lengths must fit the real model.
+RECIPES = {
+    "llama3.1-8b.yaml": "llama3.1-8b",
+    "qwen3-8b.yaml": "qwen3-8b",
+    "qwen3-30b-a3b.yaml": "qwen3-30b-a3b",
+    "gpt-oss-20b.yaml": "gpt-oss-20b",
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES), ids=str)
+def test_recipes_fit_their_targets(recipe, tmp_path, capsys):
+    from draftsmith.pipelines.main import main as pipeline_main
+
+    target = CONFIGS / "targets" / RECIPES[recipe]
+    args = [f"--config={CONFIGS / 'pipelines' / recipe}", f"--model={target}"]
+    assert pipeline_main([*args, f"--output={tmp_path}", "--dry_run=true"]) == 0
+    printed = capsys.readouterr().out
+    assert "target   ok" in printed, printed
+    for stage in ("extract", "train", "export", "eval"):
+        assert f"{stage:8s} ok" in printed

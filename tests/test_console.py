@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from draftsmith.console import VERBOSE_ENV, progress, say, stage_log
+from draftsmith.core.console import VERBOSE_ENV, progress, say, stage_log
 
 
 def test_stage_log_takes_child_processes_and_warnings_say_reaches_the_terminal(

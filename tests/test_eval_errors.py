@@ -88,7 +88,7 @@ def test_time_limit_skips_baselines_that_would_overrun(
     import importlib.util
     import time
 
-    from draftsmith.config import parse_config
+    from draftsmith.core.config import parse_config
     from draftsmith.evaluate import runs
     from draftsmith.evaluate.config import EvalConfig
     from draftsmith.evaluate.main import evaluate

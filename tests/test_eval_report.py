@@ -123,7 +123,8 @@ def make_results() -> dict:
         "vllm_version": "0.32.0",
         "device": "cpu (2 cores)",
         "created": "2026-11-23T02:00:00Z",
-        "config": {"model": "smollm2-135m", "k": [1, 2, 3], "mode": "offline", "concurrency": 1},
+        "config": {"model": "smollm2-135m", "k": [1, 2, 3], "mode": "offline", "concurrency": 1,
+                   "max_tokens": 256},  # fmt: skip
         "target": {"path": "/models/smollm2-135m", "architecture": "LlamaForCausalLM"},
         "head": {"path": "/heads/smollm2-eagle3", "method": "eagle3"},
         "runs": runs,
@@ -324,6 +325,11 @@ def test_wandb_missing_warns_once_and_the_report_stands(tmp_path, monkeypatch):
 def test_summary_table_has_one_row_per_run():
     results = make_results()
     lines = summary_table(results).splitlines()
+    n = {r["dataset"]: r["prompts"] for r in results["runs"]}
+    max_tokens = results["config"]["max_tokens"]
+    assert lines[0].startswith(f"replies up to {max_tokens} tokens; prompts per set: ")
+    assert all(f"{d} {k}" in lines[0] for d, k in n.items())  # what the rows were measured on
+    lines = lines[1:]
     assert lines[0].split()[:4] == ["dataset", "temp", "method", "k"]
     rows = [line for line in lines if line.split()[0] in ("mt_bench", "humaneval")]
     assert len(rows) == len(results["runs"]) == 14

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.targets import read_target
+from draftsmith.core.targets import read_target
 from draftsmith.train.headdir import export_head, head_config
 from draftsmith.train.heads import from_target_config
 

@@ -149,9 +149,9 @@ def test_kept_replies_are_spread_evenly(tokenizer, share):
     """Every prefix of the conversations with replies keeps `share` of them (rounded
     down), so a time limit that stops between shards cuts both kinds in proportion;
     prompts without replies are always answered by the target."""
+    from draftsmith.conversations.sources import Conversation, SkipLog
     from draftsmith.extract.config import ExtractConfig
     from draftsmith.extract.plan import plan_items
-    from draftsmith.sources import Conversation, SkipLog
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     prompt = [{"role": "user", "content": "hi"}]

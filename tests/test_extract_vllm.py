@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.conversations.template import render_conversation, render_prompt
 from draftsmith.extract.dataset import open_dataset
 from draftsmith.extract.verify import verify_dataset
-from draftsmith.template import render_conversation, render_prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -269,5 +269,95 @@ def test_smollm2_writes_prompts_and_samples_replies_that_match_transformers(
     full = tokenizer.decode(multi["input_ids"])
     assert "Bonjour !" not in full and full.count("<|im_start|>assistant") == 2
     assert torch.diff(multi["loss_mask"].int()).eq(1).sum().item() == 2
+    report = verify_dataset(str(out), 4)
+    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
+
+
+def test_reasoning_template_gives_a_sample_per_turn_each_as_the_target_saw_it(
+    tmp_path, tiny_model_dir, tokenizer
+):
+    """A target whose template drops earlier replies' <think> block (Qwen3's shape), with
+    `enable_thinking: false` given to the template: every assistant turn is its own sample,
+    holding exactly the prompt the target read for it (the chat endpoint's render) and then
+    the turn; the loss covers that turn only. The first chat is answered by the target
+    round by round (each round captured as it is written), the second keeps its replies
+    (`keep_replies: 0.5`). Every state matches transformers."""
+    import shutil
+
+    from chat_templates import QWEN3_LIKE
+    from transformers import AutoTokenizer
+
+    from draftsmith.conversations.template import render_turns
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "thinking-llama")
+    (model / "chat_template.jinja").write_text(QWEN3_LIKE)
+    tok = AutoTokenizer.from_pretrained(model)
+    kwargs = {"enable_thinking": False}
+    chats = [
+        [
+            {"role": "user", "content": f"Question {i}?"},
+            {"role": "assistant", "content": f"Answer {i}."},
+            {"role": "user", "content": f"Follow-up {i}?"},
+            {"role": "assistant", "content": f"Second answer {i}."},
+        ]
+        for i in range(2)
+    ]
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats])
+    out = tmp_path / "turns"
+    proc = extract(
+        [
+            f"--model={model}",
+            f"--data=[{data}]",
+            f"--output={out}",
+            "--regenerate=true",
+            "--keep_replies=0.5",
+            "--chat_template_kwargs={enable_thinking: false}",
+            "--max_new_tokens=12",
+            "--dtype=float32",
+        ]
+    )
+    assert "4 samples (4 single turns)" in proc.stdout
+    ds = open_dataset(out)
+    samples = {ds[i]["id"]: ds[i] for i in range(len(ds))}
+    assert list(samples) == ["chats:1#1", "chats:1#2", "chats:2#1", "chats:2#2"]
+
+    def prompt_of(sample) -> list[int]:
+        mask = sample["loss_mask"].tolist()
+        assert mask == sorted(mask) and mask[-1]  # 0s (the prompt), then 1s (the turn)
+        return sample["input_ids"][: mask.index(1)].tolist()
+
+    def chat_ids(messages) -> list[int]:
+        return tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+
+    # Regenerated: round 1 after exactly the endpoint's prompt; round 2 after the history
+    # with the target's first reply in it, rendered as an earlier turn (no think block).
+    first, second = samples["chats:1#1"], samples["chats:1#2"]
+    assert prompt_of(first) == chat_ids(chats[0][:1])
+    reply = tok.decode(first["input_ids"][len(prompt_of(first)) :])
+    text = tok.decode(prompt_of(second))
+    earlier = "<|im_start|>user\nQuestion 0?<|im_end|>\n<|im_start|>assistant\n"
+    assert "Answer 0." not in text and text.startswith(earlier + reply)
+    assert text.endswith("Follow-up 0?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # Kept replies: exactly the template's per-turn samples.
+    for k, turn in enumerate(render_turns(tok, chats[1], kwargs=kwargs), start=1):
+        assert samples[f"chats:2#{k}"]["input_ids"].tolist() == turn.input_ids
+        assert samples[f"chats:2#{k}"]["loss_mask"].tolist() == turn.loss_mask
+    assert prompt_of(samples["chats:2#2"]) == chat_ids(chats[1][:3])
+
+    man = ds.manifest
+    assert man["num_turn_samples"] == 4 and man["turn_samples_by_turn"] == {"1": 2, "2": 2}
+    shared = sum(
+        next(
+            (n for n, (a, b) in enumerate(zip(x.tolist(), y.tolist(), strict=False)) if a != b),
+            min(len(x), len(y)),
+        )
+        for x, y in (
+            (first["input_ids"], second["input_ids"]),
+            (samples["chats:2#1"]["input_ids"], samples["chats:2#2"]["input_ids"]),
+        )
+    )
+    assert man["num_unique_tokens"] == man["num_tokens"] - shared > 0
     report = verify_dataset(str(out), 4)
     assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.core.errors import ConfigError
 from draftsmith.train.headdir import head_config
 from draftsmith.train.heads import Eagle1Head, Eagle3Head, from_target_config
 from draftsmith.train.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
@@ -175,8 +176,8 @@ def test_target_config_rope_and_errors() -> None:
     assert not torch.allclose(h3.rotary.inv_freq, head.rotary.inv_freq)
     with pytest.raises(ValueError):
         from_target_config({**TARGET, "hidden_act": "gelu"})
-    with pytest.raises(NotImplementedError):
-        RotaryEmbedding(64, 1e4, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ConfigError, match="proportional"):  # every kind: tests/test_rope.py
+        RotaryEmbedding(64, 1e4, {"rope_type": "proportional"})
 
 
 # Runs in a subprocess (vLLM keeps global distributed state). Builds vLLM's own

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.errors import ConfigError
-from draftsmith.targets import read_target
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import read_target
 from draftsmith.train.heads import Eagle1Head, Eagle3Head, from_target_config
 from draftsmith.train.init import init_from_target
 from draftsmith.train.weights import load_target_weights

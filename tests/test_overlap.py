@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from draftsmith.conversations.sources import SkipLog, load_many
 from draftsmith.evaluate.main import main
 from draftsmith.evaluate.overlap import find_overlap, ngram_hashes
-from draftsmith.sources import SkipLog, load_many
 
 PROMPT = (
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting "

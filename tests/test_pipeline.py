@@ -12,11 +12,12 @@ from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import PipelineConfig, PipelineError, parse_pipeline
 from draftsmith.pipelines.main import main as pipeline_main
 from draftsmith.pipelines.plan import (
-    EVAL_MIN_TOKENS,
+    EVAL_MIN_PROMPTS,
     TRAIN_STARTUP_S,
     Plan,
     eval_engines,
-    eval_tokens,
+    eval_prompts,
+    shard_seconds_per_sample,
     train_time,
 )
 
@@ -133,26 +134,45 @@ def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_p
     assert Plan(PipelineConfig(output=str(tmp_path), data=str(data))).dirs["train"] != first
 
 
-def test_time_budget_shortens_the_evaluations_replies_when_the_hour_is_slow(tmp_path):
+def test_time_budget_cuts_prompts_never_replies_when_the_hour_is_slow(tmp_path):
     three = {"k": [1, 2, 3], "baselines": ["none", "ngram", "suffix"], "max_tokens": 256}
     cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:20:00", eval=three)
     section = EvalConfig(**three, head="head")
     assert eval_engines(section) == (4, 1)  # none, head, ngram, suffix (k=3, the rest derived)
     every_k = EvalConfig(**three, head="head", derive_k=False)
     assert eval_engines(every_k) == (10, 3)  # every k its own engine
-    # 1.3 x 60 = 78 s per engine at 256 tokens (70% of it fixed): 4 x 78 = 312 s
-    n, info = eval_tokens(cfg, section, validation_s=60.0, left_s=400.0)
-    assert n == 256 and info["eval_predicted_s"] == 312.0 and info["eval_engines"] == 4
-    # a slow hour, 100 s: the three required engines fit 330 s at 256 x (110 - 91) / 39
-    n, info = eval_tokens(cfg, section, validation_s=100.0, left_s=330.0)
-    assert n == 124 and info["eval_max_tokens_asked"] == 256 and info["eval_engines_optional"]
-    n, _ = eval_tokens(cfg, section, validation_s=600.0, left_s=100.0)  # never below the floor
-    assert n == EVAL_MIN_TOKENS
-    assert eval_tokens(cfg, section, validation_s=0.0, left_s=100.0) == (None, {})
+    # 2 s per extracted sample at 256 tokens: 30 + 2 x 40 = 110 s per engine, 440 s for 4
+    limit, info = eval_prompts(cfg, section, 2.0, left_s=500.0, prompts_per_set=[20, 20],
+                               extract_tokens=256)  # fmt: skip
+    assert limit is None and info["eval_predicted_s"] == 440.0 and info["eval_engines"] == 4
+    # 300 s left: the 3 required engines get 100 s each, 70 s of prompts: 35 prompts, 17 a set
+    limit, info = eval_prompts(cfg, section, 2.0, left_s=300.0, prompts_per_set=[20, 20],
+                               extract_tokens=256)  # fmt: skip
+    assert limit == 17 and info["eval_prompts_per_set"] == [17, 17]
+    assert info["eval_max_tokens"] == 256  # replies keep their length
+    # Extraction at 128 tokens per reply: each prompt of a 256-token evaluation costs double.
+    limit, _ = eval_prompts(cfg, section, 1.0, left_s=300.0, prompts_per_set=[20, 20],
+                            extract_tokens=128)  # fmt: skip
+    assert limit == 17
+    limit, _ = eval_prompts(cfg, section, 20.0, left_s=100.0, prompts_per_set=[20, 20])
+    assert limit == EVAL_MIN_PROMPTS  # never fewer prompts than the floor
+    assert eval_prompts(cfg, section, 0.0, left_s=100.0, prompts_per_set=[20]) == (None, {})
+    # The cut moves the evaluation's address: a rerun on another hour does not reuse it.
     plan = Plan(cfg)
-    plan.eval_max_tokens = 170  # what run() sets before the eval stage
-    plan.stage_args("eval")
-    assert yaml.safe_load((plan.dirs["eval"] / "stage.yaml").read_text())["max_tokens"] == 170
+    before = plan.dirs["eval"]
+    plan.set_eval_limit(17)
+    assert plan.dirs["eval"] != before and plan.section("eval")["limit"] == 17
+    plan.set_eval_limit(None)
+    assert plan.section("eval").get("limit") is None
+
+
+def test_extraction_speed_is_read_from_the_shards_seconds(tmp_path):
+    assert shard_seconds_per_sample(tmp_path) is None  # no manifest: nothing measured
+    shards = [{"samples": 32, "seconds": 64.0}, {"samples": 32, "seconds": 96.0},
+              {"samples": 16, "seconds": 40.0}]  # fmt: skip
+    manifest = {"shards": shards, "config": {"max_new_tokens": 256}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert shard_seconds_per_sample(tmp_path) == (2.5, 256)  # the median of 2, 3 and 2.5
 
 
 def test_time_budget_gives_training_its_share_whatever_extraction_took(tmp_path):
@@ -165,12 +185,9 @@ def test_time_budget_gives_training_its_share_whatever_extraction_took(tmp_path)
         train_time(PipelineConfig(time_budget="00:00:20:00", train_share=0.04), 400.0)
 
     plan = Plan(cfg)
-    plan.stage_args("extract")
-    assert yaml.safe_load((plan.dirs["extract"] / "stage.yaml").read_text())["time_limit"] == 360
+    assert plan.section("extract")["time_limit"] == 360
     plan.train_max_time = slow  # what run() sets before the train stage
-    plan.stage_args("train")
-    written = yaml.safe_load((plan.dirs["train"] / "stage.yaml").read_text())
-    assert written["trainer"]["max_time"] == "00:00:07:30"
+    assert plan.section("train")["trainer"]["max_time"] == "00:00:07:30"
     # The budget is part of the extract and train addresses.
     other = Plan(PipelineConfig(output=str(tmp_path)))
     assert other.dirs["extract"] != plan.dirs["extract"]
@@ -182,8 +199,8 @@ def test_time_budget_errors_name_the_option(tmp_path):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="19 minutes"))
     with pytest.raises(PipelineError, match="extract_share=0.7, train_share=0.4: each"):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", extract_share=0.7))
-    with pytest.raises(PipelineError, match="eval_fixed_share=1.0, .*must be in \\[0, 1\\)"):
-        Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", eval_fixed_share=1.0))
+    with pytest.raises(PipelineError, match="eval_engine_start_s=-1, .*must be >= 0"):
+        Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", eval_engine_start_s=-1))
     (tmp_path / "manifest.json").write_text("{}")
     with pytest.raises(PipelineError, match="time_budget shares the run.*data: skips"):
         Plan(PipelineConfig(output=str(tmp_path), time_budget="0:19:00", data=str(tmp_path)))
@@ -203,7 +220,7 @@ def test_command_line_overrides_reach_the_stages_and_move_their_addresses(
             "--train.trainer.max_epochs", "1", "--eval.k=[3]"]  # fmt: skip
     assert pipeline_main(args) == 0
     plan = Plan(parse_pipeline(args))
-    stage = {s: yaml.safe_load((plan.dirs[s] / "stage.yaml").read_text()) for s in plan.dirs}
+    stage = {s: plan.section(s) for s in plan.dirs}
     assert stage["extract"]["data"] == str(prompts)
     assert stage["train"]["model"]["lr"] == 0.01 and stage["train"]["trainer"]["max_epochs"] == 1
     assert stage["train"]["model"]["kind"] == "eagle3"  # the YAML's other keys stay
@@ -224,12 +241,12 @@ def test_validation_section_is_extracted_beside_the_data_and_validates_training(
     args += ["--extract.keep_replies", "0.5"]  # a training mix; validation keeps the target's
     assert pipeline_main(args) == 0
     plan, plain = Plan(parse_pipeline(args)), Plan(parse_pipeline(base))
-    val = yaml.safe_load((plan.dirs["extract"] / "val" / "stage.yaml").read_text())
+    val = plan.validation_section()
     assert val["data"] == "sharegpt@heldout" and val["limit"] == 4
     assert val["regenerate"] is True  # the extract section's options, the validation's on top
     assert "keep_replies" not in val
-    assert yaml.safe_load((plan.dirs["extract"] / "stage.yaml").read_text())["keep_replies"] == 0.5
-    train = yaml.safe_load((plan.dirs["train"] / "stage.yaml").read_text())
+    assert plan.section("extract")["keep_replies"] == 0.5
+    train = plan.section("train")
     assert train["data"]["val_data"] == str(plan.dirs["extract"] / "val")
     assert plan.dirs["extract"] != plain.dirs["extract"]
     given = [*args, f"--data={tmp_path}"]

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import sharegpt
-from draftsmith.sources import Conversation, DataError, SkipLog, load_conversations, load_many
+from draftsmith.conversations import sharegpt
+from draftsmith.conversations.sources import (
+    Conversation,
+    DataError,
+    SkipLog,
+    load_conversations,
+    load_many,
+)
 
 
 def turn(who: str, text: str) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.sources import (
+from draftsmith.conversations.sources import (
     Conversation,
     DataError,
     SkipLog,
@@ -139,7 +139,7 @@ BAD_ROWS = [
         {"messages": [{"role": "bot", "content": "x"}]},
         "messages[0].role",
         "unknown_role",
-        "unknown role 'bot' (expected system/user/assistant, or ShareGPT human/gpt/system)",
+        "unknown role 'bot' (expected system/user/assistant/tool, or ShareGPT human/gpt/system)",
     ),
     (
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": 3}]},
@@ -153,7 +153,91 @@ BAD_ROWS = [
         "non_string_content",
         "content is list",
     ),
+    # Tool use: each bad shape names its field.
+    (
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": {"id": "c1"}}]},
+        "messages[0].tool_calls",
+        "bad_tool_call",
+        "is a dict, not a list of calls",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}]},
+        "messages[0].tool_calls[0].function",
+        "bad_tool_call",
+        "is null, not an object",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+        "messages[0].tool_calls[0].function.name",
+        "bad_tool_call",
+        "is None, not a name",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{city: 1"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+        "bad_tool_call",
+        "is not valid JSON",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "q", "tool_calls": []}]},
+        "messages[0].tool_calls",
+        "bad_tool_call",
+        "on a 'user' message",
+    ),
+    (
+        {"messages": [{"role": "tool", "tool_call_id": 7, "content": "x"}]},
+        "messages[0].tool_call_id",
+        "non_string_content",
+        "is int, not a string",
+    ),
+    (
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"parameters": {}}}]},
+        "tools[0].function.name",
+        "bad_tool",
+        "is None, not a name",
+    ),
+    (
+        {"messages": MESSAGES, "tools": {"name": "f"}},
+        "tools",
+        "bad_tool",
+        "is a dict, not a list of tools",
+    ),
 ]
+
+
+def test_tool_rows_are_normalised_as_vllm_hands_them_to_the_template(tmp_path):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    row = {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "r"},
+            {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "2"},
+            {"role": "assistant", "content": "done", "tool_calls": []},
+        ],
+    }
+    (conv,) = load(write_jsonl(tmp_path / "t.jsonl", [row]))
+    assert conv.tools == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}}
+    ]
+    assert conv.messages[1:] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{**call, "function": {"name": "f", "arguments": {"x": 1}}}],
+            "reasoning": "r",
+            "reasoning_content": "r",
+        },
+        {"role": "tool", "content": "2", "tool_call_id": "c1", "name": "f"},
+        {"role": "assistant", "content": "done"},
+    ]
 
 
 @pytest.mark.parametrize("bad, field, reason, fragment", BAD_ROWS)
@@ -176,7 +260,7 @@ def test_bad_row_is_a_one_line_error_or_a_counted_skip(tmp_path, bad, field, rea
 
 def test_bad_element_in_json_array_names_its_index(tmp_path):
     path = tmp_path / "arr.json"
-    path.write_text(json.dumps([{"messages": MESSAGES}, {"messages": [{"role": "tool"}]}]))
+    path.write_text(json.dumps([{"messages": MESSAGES}, {"messages": [{"role": "robot"}]}]))
     with pytest.raises(DataError, match=r"arr\.json:1: field 'messages\[0\]\.role'"):
         load(path)
 

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import DataLoader
 
-from draftsmith import files
+from draftsmith.core import files
+from draftsmith.core.files import sha256_file, write_json_atomic
 from draftsmith.extract.dataset import DatasetError, open_dataset
 from draftsmith.extract.store import (
     STORAGE_DTYPES,
@@ -22,7 +23,6 @@ from draftsmith.extract.store import (
     encode_hidden,
     write_shard,
 )
-from draftsmith.files import sha256_file, write_json_atomic
 
 LAYER_IDS = [1, 3, 5]
 HIDDEN = 16

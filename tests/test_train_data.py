@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from draftsmith.core.files import write_json_atomic
+from draftsmith.core.targets import TargetInfo
 from draftsmith.extract.dataset import DatasetError, open_dataset
 from draftsmith.extract.store import write_shard
-from draftsmith.files import write_json_atomic
-from draftsmith.targets import TargetInfo
 from draftsmith.train.acceptance import step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.packing import (

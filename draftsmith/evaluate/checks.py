@@ -11,12 +11,13 @@ import json
 import struct
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.targets import TargetInfo
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.targets import TargetInfo
 
 ARCHITECTURES = {
     "eagle3": ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3Speculator"),
     "eagle": ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle"),
+    "dflash": ("DFlashDraftModel",),
 }
 MAX_K = 16
 
@@ -76,7 +77,25 @@ def check_head(head: str, method: str, target: TargetInfo) -> dict:
         shapes.update(tensor_shapes(file))
     if method == "eagle3":
         _check_eagle3(head, config, shapes, target)
+    if method == "dflash":
+        _check_dflash(head, config, shapes, target)
     return config
+
+
+def _check_dflash(head: str, config: dict, shapes: dict, target: TargetInfo) -> None:
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    n = target.num_hidden_layers
+    if not ids or any(not 0 <= i < n for i in ids):
+        raise HeadError(
+            f"head: {head} dflash_config.target_layer_ids {ids} must be 0-based layers of the "
+            f"target's 0..{n - 1}; it was trained for another target."
+        )
+    fc = shapes.get("fc.weight")
+    if fc is not None and fc[1] != len(ids) * target.hidden_size:
+        raise HeadError(
+            f"head: {head} fc.weight is {fc}, expected [*, {len(ids)} x {target.hidden_size}] "
+            f"for its {len(ids)} target_layer_ids."
+        )
 
 
 def _check_eagle3(head: str, config: dict, shapes: dict, target: TargetInfo) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from draftsmith.engine import EngineOptions
-from draftsmith.errors import ConfigError
+from draftsmith.core.engine import EngineOptions
+from draftsmith.core.errors import ConfigError
 
 
 @dataclass
@@ -17,8 +17,9 @@ class EvalConfig:
     """Target: a Hugging Face model directory, a hub id, or an embedded name (smollm2-135m)."""
     head: str | None = None
     """Draft head directory in vLLM's format (from `draftsmith export`); null: baselines only."""
-    method: Literal["eagle3", "eagle"] = "eagle3"
-    """How vLLM runs the head: eagle3 (fused low/mid/high states) or eagle (EAGLE-1)."""
+    method: Literal["eagle3", "eagle", "dflash"] = "eagle3"
+    """How vLLM runs the head: eagle3 (fused low/mid/high states), eagle (EAGLE-1) or dflash
+    (a DFlash block drafter)."""
     k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     """Draft lengths (num_speculative_tokens) to report."""
     derive_k: bool = True

@@ -18,18 +18,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from draftsmith import __version__
-from draftsmith.config import parse_config, to_dict
-from draftsmith.console import progress, say, stage_log
-from draftsmith.errors import exit_code
+from draftsmith.conversations.sources import DataError, SkipLog, load_many
+from draftsmith.core.config import parse_config, to_dict
+from draftsmith.core.console import progress, say, stage_log
+from draftsmith.core.errors import exit_code
+from draftsmith.core.targets import read_target
 from draftsmith.evaluate.checks import HeadError, check_head, check_k
 from draftsmith.evaluate.config import EvalConfig
-from draftsmith.sources import DataError, SkipLog, load_many
-from draftsmith.targets import read_target
 
 
 def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
     """Per dataset: sample ids, chat messages (system + first user turn) and prompt ids."""
-    from draftsmith.template import render_prompt
+    from draftsmith.conversations.template import render_prompt
 
     ids, chats, tokens = {}, {}, {}
     for spec in cfg.datasets:
@@ -47,7 +47,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
 
 
 def device_name() -> str:
-    from draftsmith.engine import on_cpu
+    from draftsmith.core.engine import on_cpu
 
     if on_cpu():
         return f"cpu ({os.cpu_count()} cores)"
@@ -60,7 +60,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     """Run every method, derive, compare; return results.json's dict and every generation."""
     from transformers import AutoTokenizer
 
-    from draftsmith.engine import engine_kwargs
+    from draftsmith.core.engine import engine_kwargs
     from draftsmith.evaluate import runs
 
     ks = check_k(cfg.k)
@@ -164,8 +164,8 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
 
 
 def main(args: list[str] | None = None) -> int:
-    cfg = parse_config(EvalConfig, args, prog="draftsmith eval")
-    return exit_code("draftsmith eval", lambda: run_stage(cfg))
+    prog = "draftsmith eval"
+    return exit_code(prog, lambda: run_stage(parse_config(EvalConfig, args, prog=prog)))
 
 
 def run_stage(cfg: EvalConfig) -> int:

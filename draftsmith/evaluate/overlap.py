@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.core.errors import DraftsmithError
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 

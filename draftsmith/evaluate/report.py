@@ -16,7 +16,7 @@ from pathlib import Path
 from draftsmith.evaluate.plots import write_plots
 
 DASH = "–"
-ORDER = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3")
+ORDER = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3", "dflash")
 COLUMNS = ("method", "k", "acceptance length", "tokens/step", "per-position acceptance")
 COLUMNS += ("output tok/s", "speedup vs none", "speedup vs ngram", "lossless")
 NUMBERS = ("acceptance_length", "tokens_per_step", "output_tok_s")
@@ -117,7 +117,19 @@ def summary_table(results: dict) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
 
     notes = [n.removeprefix("\\") for n in footnotes(results["runs"])]
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows), *notes])
+    table = [line(header), line(["-" * w for w in widths]), *map(line, rows), *notes]
+    return "\n".join([setup_line(results), *table])
+
+
+def setup_line(results: dict) -> str:
+    """What every row was measured on: the reply length and the prompts per set."""
+    cfg = results.get("config") or {}
+    prompts: dict[str, int] = {}
+    for r in results["runs"]:
+        prompts.setdefault(r["dataset"], r["prompts"])
+    sets = ", ".join(f"{d} {n}" for d, n in prompts.items())
+    return (f"replies up to {cfg.get('max_tokens', '?')} tokens; prompts per set: {sets}; "
+            f"{cfg.get('concurrency', '?')} in flight")  # fmt: skip
 
 
 def markdown(results: dict, plots: list[str]) -> str:

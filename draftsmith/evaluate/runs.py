@@ -20,7 +20,7 @@ from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tok
 
 @dataclass(frozen=True)
 class Method:
-    """One way to decode: `name` is none, ngram, suffix, draft_model, eagle3 or eagle."""
+    """One way to decode: `name` is none, ngram, suffix, draft_model, eagle3, eagle or dflash."""
 
     name: str
     k: int | None = None
@@ -31,7 +31,7 @@ class Method:
         spec: dict = {"method": self.name, "num_speculative_tokens": self.k}
         if self.name == "ngram":
             spec["prompt_lookup_min"], spec["prompt_lookup_max"] = cfg.ngram_lookup
-        elif self.name in ("eagle3", "eagle"):
+        elif self.name in ("eagle3", "eagle", "dflash"):
             spec["model"] = cfg.head
         elif self.name == "draft_model":
             spec["model"] = cfg.draft_model
@@ -163,7 +163,7 @@ def offline_runs(
     """`measure` with an in-process `vllm.LLM` for this method."""
     from vllm import LLM, SamplingParams
 
-    from draftsmith.engine import close_engine
+    from draftsmith.core.engine import close_engine
 
     kwargs = dict(engine_kwargs, max_num_seqs=cfg.concurrency, seed=cfg.seed)
     spec = method.speculative_config(cfg)

@@ -26,6 +26,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.core.errors import ConfigError
 from draftsmith.evaluate.counters import SpecCounters, from_prometheus_text
 
 LOG_TAIL_LINES = 40
@@ -58,7 +59,7 @@ def check_loopback(host: str) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ValueError(f"host {host!r}: the evaluation server listens on loopback only.")
+        raise ConfigError(f"host {host!r}: the evaluation server listens on loopback only; use 127.0.0.1.")
 
 
 def cli_flags(engine_args: dict) -> list[str]:
@@ -75,7 +76,9 @@ def cli_flags(engine_args: dict) -> list[str]:
             continue
         if key == "disable_log_stats":
             if value:
-                raise ValueError("disable_log_stats=True would hide the spec-decode counters.")
+                raise ConfigError(
+                    "engine.disable_log_stats: true would hide the spec-decode counters; leave it false."
+                )
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -174,7 +177,7 @@ class Server:
         ``finish_reason`` and ``latency`` (seconds). A failed request raises `ServerError`.
         """
         if concurrency < 1:
-            raise ValueError(f"concurrency: {concurrency}; give at least 1.")
+            raise ConfigError(f"concurrency: {concurrency}; give at least 1.")
         base = {
             "model": self.model_name,
             "max_tokens": max_tokens,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.config import parse_config
+from draftsmith.core.config import parse_config
+from draftsmith.core.errors import exit_code
 from draftsmith.extract.config import EngineOptions, ExtractConfig
 
 
@@ -45,8 +46,8 @@ class BenchConfig:
 def _plain_generation(cfg: BenchConfig, prompts: list[list[int]]) -> dict:
     from vllm import SamplingParams
 
-    from draftsmith.engine import close_engine, plain_engine
-    from draftsmith.targets import resolve_model
+    from draftsmith.core.engine import close_engine, plain_engine
+    from draftsmith.core.targets import resolve_model
 
     t0 = time.monotonic()
     llm = plain_engine(resolve_model(cfg.model), cfg.engine, 2048)
@@ -109,9 +110,9 @@ def _hf_forward(dataset: str) -> dict:
 def run_bench(cfg: BenchConfig) -> dict:
     from transformers import AutoTokenizer
 
-    from draftsmith.sources import SkipLog, load_many
-    from draftsmith.targets import resolve_model
-    from draftsmith.template import render_prompt
+    from draftsmith.conversations.sources import SkipLog, load_many
+    from draftsmith.conversations.template import render_prompt
+    from draftsmith.core.targets import resolve_model
 
     out = Path(cfg.output)
     if out.exists():
@@ -177,6 +178,10 @@ def run_bench(cfg: BenchConfig) -> dict:
 
 
 def main(args: list[str] | None = None) -> int:
+    return exit_code("draftsmith bench-extract", lambda: _main(args))
+
+
+def _main(args: list[str] | None) -> int:
     cfg = parse_config(BenchConfig, args, prog="draftsmith bench-extract")
     r = run_bench(cfg)
     a, b = r["a_plain_generation"], r["b_extract_regenerate_bf16"]

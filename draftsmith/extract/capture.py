@@ -11,6 +11,12 @@ sampling (replies degenerate into repeated tokens; greedy is exact). Sampled rep
 are therefore written by a plain engine first (`write_replies`) and captured here by
 prefilling their exact token ids. Samples that keep their own replies
 (``keep_replies``) are prefilled beside the others, in the same engine call.
+
+When the chat template is not prefix-stable (reasoning templates, harmony; see
+:mod:`draftsmith.conversations.template`) every round is its own sample ``{id}#{k}``:
+the prompt vLLM's chat endpoint would render for the history so far, then the reply.
+Those rounds are all captured as they are written, and the history keeps each reply's
+answer without its reasoning, as a chat client sends it back.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.engine import EngineOptions
+from draftsmith.conversations.sources import SkipLog
+from draftsmith.conversations.template import mask_reasoning, reasoning_ends, render_prompt
+from draftsmith.core.engine import EngineOptions
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.plan import Item
-from draftsmith.sources import SkipLog
-from draftsmith.template import render_prompt
+from draftsmith.extract.plan import Item, common_prefix, turn_item
 
 WAIT_SECONDS = 120.0
 
@@ -45,65 +52,80 @@ def capture_shard(
     skips: SkipLog,
     written: list[Sequence] | None = None,
 ) -> list[dict]:
-    """Samples ``{"id", "input_ids" [T], "loss_mask" [T], "hidden_states" [T, L, H]}``.
+    """Samples ``{"id", "input_ids" [T], "loss_mask" [T], "hidden_states" [T, L, H],
+    "turn", "shared"}`` in the order of the items' sample ids (see :class:`Item`).
 
     `written` holds sequences whose replies a plain engine already wrote (sampled
     regeneration); they are captured by prefill.
     """
     ready = [(it, it.input_ids, it.loss_mask) for it in items if it.input_ids]
+    earlier: list[tuple[Item, list[int], list[int], object]] = []
     if written is not None:
         fresh, ready = [], written + ready
     else:
-        fresh = _final_prompts(llm, tokenizer, _to_answer(items), cfg, skips)
+        fresh, earlier = _final_prompts(llm, tokenizer, _to_answer(items), cfg, skips, True)
     requests = fresh + ready  # the first len(fresh) are answered in this pass
-    if not requests:
-        return []
-    from vllm import SamplingParams
+    samples = {}
+    for item, ids, mask, out in earlier:  # per-turn rounds, captured as they were written
+        extended = _with_reply(item, ids, mask, out, skips)
+        if extended is None:
+            _discard(out)
+            continue
+        samples[item.id] = _sample(item, *extended, out, cfg, tokenizer)
+    if requests:
+        from vllm import SamplingParams
 
-    prefill = SamplingParams(max_tokens=1, temperature=0.0)
-    params = [_reply_params(cfg, len(ids), capture=True) for _, ids, _ in fresh]
-    params += [prefill] * len(ready)
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
-    )
-    samples = []
-    for n, ((item, ids, mask), out) in enumerate(zip(requests, outputs, strict=True)):
-        if n < len(fresh):
-            extended = _with_reply(item, ids, mask, out, skips)
-            if extended is None:
-                _discard(out)
-                continue
-            ids, mask = extended
-        states, token_ids = _load_staged(out)
-        if token_ids != list(ids):
-            raise CaptureError(
-                f"sample {item.id}: vLLM captured {len(token_ids)} tokens that differ from the "
-                f"{len(ids)} sent; the connector and engine disagree."
-            )
-        _check_states(item.id, states)
-        samples.append(
-            {
-                "id": item.id,
-                "input_ids": torch.tensor(ids, dtype=torch.int32),
-                "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-                "hidden_states": states,
-            }
+        prefill = SamplingParams(max_tokens=1, temperature=0.0)
+        params = [_reply_params(cfg, len(ids), capture=True) for _, ids, _ in fresh]
+        params += [prefill] * len(ready)
+        outputs = llm.generate(
+            [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
         )
-    return samples
+        for n, ((item, ids, mask), out) in enumerate(zip(requests, outputs, strict=True)):
+            if n < len(fresh):
+                extended = _with_reply(item, ids, mask, out, skips)
+                if extended is None:
+                    _discard(out)
+                    continue
+                ids, mask = extended
+            samples[item.id] = _sample(item, ids, mask, out, cfg, tokenizer)
+    order = [sid for it in items for sid in it.sample_ids()]
+    return [samples[sid] for sid in order if sid in samples]
+
+
+def _sample(item: Item, ids: list[int], mask: list[int], out, cfg: ExtractConfig, tokenizer):
+    """One captured sample: the staged states of request `out`, checked against `ids`."""
+    states, token_ids = _load_staged(out)
+    if token_ids != list(ids):
+        raise CaptureError(
+            f"sample {item.id}: vLLM captured {len(token_ids)} tokens that differ from the "
+            f"{len(ids)} sent; the connector and engine disagree."
+        )
+    _check_states(item.id, states)
+    if not cfg.keep_reasoning:
+        mask = mask_reasoning(ids, mask, reasoning_ends(tokenizer))
+    return {
+        "id": item.id,
+        "input_ids": torch.tensor(ids, dtype=torch.int32),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "hidden_states": states,
+        "turn": item.turn,
+        "shared": item.shared,
+    }
 
 
 def write_replies(
     llm, tokenizer, items: list[Item], cfg: ExtractConfig, skips: SkipLog
 ) -> list[Sequence]:
     """Answer every user turn of the items without final ids with a plain (non-capturing)
-    engine; return their whole sequences."""
-    requests = _final_prompts(llm, tokenizer, _to_answer(items), cfg, skips)
+    engine; return their whole sequences (each round's, for per-turn items)."""
+    requests, earlier = _final_prompts(llm, tokenizer, _to_answer(items), cfg, skips, False)
     params = [_reply_params(cfg, len(ids), capture=False) for _, ids, _ in requests]
     outputs = llm.generate(
         [{"prompt_token_ids": ids} for _, ids, _ in requests], params, use_tqdm=False
     )
     written = []
-    for (item, ids, mask), out in zip(requests, outputs, strict=True):
+    for item, ids, mask, out in earlier + [(*r, o) for r, o in zip(requests, outputs, strict=True)]:
         extended = _with_reply(item, ids, mask, out, skips)
         if extended is not None:
             written.append((item, *extended))
@@ -138,23 +160,30 @@ def _reply_params(cfg: ExtractConfig, prompt_len: int, capture: bool):
 
 
 def _final_prompts(
-    llm, tokenizer, items: list[Item], cfg: ExtractConfig, skips: SkipLog
-) -> list[tuple[Item, list[int], list[int]]]:
-    """Answer all but the last user turn of every item; return final-round prompts.
+    llm, tokenizer, items: list[Item], cfg: ExtractConfig, skips: SkipLog, capture: bool
+) -> tuple[list[tuple[Item, list[int], list[int]]], list[tuple[Item, list[int], list[int], Any]]]:
+    """Answer all but the last user turn of every item; return final-round prompts
+    ``(item, ids, mask)`` and the answered earlier rounds of per-turn items
+    ``(turn item, prompt ids, mask, vLLM output)``.
 
-    Earlier turns are answered without capture (``save: False``); their replies
-    become part of the final prompt, whose assistant turns are in its loss mask. A
-    conversation whose next round no longer fits `max_length` ends at the last round that
-    did (``overlong: truncate``, counted as truncated; that round's reply is written again,
-    captured) or is skipped (``overlong: skip``, or when its first round does not fit).
+    For an item with one sample, earlier turns are answered without capture (``save:
+    False``); their replies become part of the final prompt, whose assistant turns are in
+    its loss mask. A conversation whose next round no longer fits `max_length` ends at the
+    last round that did (``overlong: truncate``, counted as truncated; that round's reply
+    is written again, captured) or is skipped (``overlong: skip``, or when its first round
+    does not fit). For a per-turn item (``rounds > 0``) every round is its own sample,
+    captured as it is written when `capture`; rounds that no longer fit are skipped samples.
     """
     if not items:
-        return []
+        return [], []
     histories = {it.id: [] for it in items}
     turns = {it.id: it.messages for it in items}
     rounds = max(sum(m["role"] == "user" for m in it.messages) for it in items)
-    final: dict[str, tuple[list[int], list[int]]] = {}
-    last: dict[str, tuple[list[int], list[int]]] = {}  # each item's latest round that fit
+    final: dict[str, tuple[Item, list[int], list[int]]] = {}
+    last: dict[str, tuple[Item, list[int], list[int]]] = {}  # latest round that fit
+    previous: dict[str, list[int]] = {}  # per-turn items: the previous round's prompt
+    earlier = []
+    ends = reasoning_ends(tokenizer)
     for r in range(rounds):
         batch = []
         for it in items:
@@ -168,31 +197,55 @@ def _final_prompts(
                 if msg["role"] == "user":
                     break
             turns[it.id] = pending
-            rendered = render_prompt(tokenizer, history, with_mask=True)
-            ids, mask = rendered.input_ids, rendered.loss_mask
+            chat = {"tools": it.tools, "kwargs": cfg.chat_template_kwargs}
+            if it.rounds:
+                ids = render_prompt(tokenizer, history, **chat)
+                mask = [0] * len(ids)
+                shared = common_prefix(previous.get(it.id, []), ids)
+                sample, previous[it.id] = turn_item(it, r + 1, shared), ids
+            else:
+                rendered = render_prompt(tokenizer, history, with_mask=True, **chat)
+                ids, mask, sample = rendered.input_ids, rendered.loss_mask, it
             if len(ids) >= cfg.max_length:
                 turns.pop(it.id)
-                if it.id in last and cfg.overlong == "truncate":
+                detail = f"prompt of {len(ids)} tokens in round {r + 1}"
+                if it.rounds:  # this round and later ones are samples that do not fit
+                    for k in range(r + 1, it.rounds + 1):
+                        skips.add(f"{it.id}#{k}", None, "too_long", detail)
+                elif it.id in last and cfg.overlong == "truncate":
                     final[it.id] = last[it.id]
                     skips.truncated += 1
                 else:
-                    detail = f"prompt of {len(ids)} tokens in round {r + 1}"
                     skips.add(it.id, None, "too_long", detail)
                 continue
             if not any(m["role"] == "user" for m in pending):
-                final[it.id] = (ids, mask)
+                final[it.id] = (sample, ids, mask)
             else:
-                last[it.id] = (ids, mask)
-                batch.append((it, ids))
+                last[it.id] = (sample, ids, mask)
+                batch.append((it, sample, ids, mask))
         if batch:
-            params = [_reply_params(cfg, len(ids), capture=False) for _, ids in batch]
-            # Earlier turns are never captured.
+            params = [
+                _reply_params(cfg, len(ids), capture=capture and it.rounds > 0)
+                for it, _, ids, _ in batch
+            ]
+            # Earlier turns are captured only as per-turn samples.
             outs = llm.generate(
-                [{"prompt_token_ids": ids} for _, ids in batch], params, use_tqdm=False
+                [{"prompt_token_ids": ids} for _, _, ids, _ in batch], params, use_tqdm=False
             )
-            for (it, _), out in zip(batch, outs, strict=True):
-                histories[it.id].append({"role": "assistant", "content": out.outputs[0].text})
-    return [(it, *final[it.id]) for it in items if it.id in final]
+            for (it, sample, ids, mask), out in zip(batch, outs, strict=True):
+                text = out.outputs[0].text
+                if it.rounds:
+                    earlier.append((sample, ids, mask, out))
+                    text = _answer_text(tokenizer, list(out.outputs[0].token_ids), ends, text)
+                histories[it.id].append({"role": "assistant", "content": text})
+    return [final[it.id] for it in items if it.id in final], earlier
+
+
+def _answer_text(tokenizer, reply: list[int], ends: list[list[int]], text: str) -> str:
+    """The reply as a chat client sends it back: the answer after its reasoning (vLLM's
+    reasoning parsers split it off), or `text` when the reply has no reasoning marker."""
+    cut = len(reply) - sum(mask_reasoning(reply, [1] * len(reply), ends))
+    return tokenizer.decode(reply[cut:], skip_special_tokens=True) if cut else text
 
 
 def _staged_path(out) -> str:
@@ -262,7 +315,7 @@ def capture_engine(
     """
     from vllm import LLM
 
-    from draftsmith.engine import engine_kwargs
+    from draftsmith.core.engine import engine_kwargs
 
     os.makedirs(staging_dir, exist_ok=True)
     kwargs = engine_kwargs(model, options, max_len)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
-from draftsmith.engine import EngineOptions
-from draftsmith.errors import ConfigError
+from draftsmith.core.engine import EngineOptions
+from draftsmith.core.errors import ConfigError
+
+# What vLLM's chat endpoint sets itself (a request's chat_template_kwargs cannot).
+RESERVED_KWARGS = frozenset(
+    {"add_generation_prompt", "continue_final_message", "tools", "tokenize", "chat_template"}
+)
 
 
 @dataclass
@@ -26,12 +31,21 @@ class ExtractConfig:
     """Layers to capture in vLLM's meaning (k = residual stream after k decoder layers, 0 =
     embeddings, N = last layer before the final norm); null = [2, N//2, N-3, N]."""
     regenerate: bool = False
-    """Replace assistant turns with the target's own replies, written in the capturing pass."""
+    """Replace assistant turns with the target's own replies, written in the capturing pass.
+    Conversations with tool calls keep their replies (the tools cannot be run here)."""
     keep_replies: float = 0.0
     """With `regenerate`, the share of conversations with assistant turns that keep their own
     replies (captured by prefill) instead of the target's: a mix of the corpus's replies and
     the target's, e.g. `data: sharegpt:full` with 0.5. Kept ones are spread evenly through
     the data, so a time limit cuts both kinds in proportion. 0 = the target answers all."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the target's chat template, e.g. `{enable_thinking: false}`: given
+    to every render and every regenerated round's prompt, as vLLM's chat endpoint gives a
+    request's `chat_template_kwargs`. Serve the head with the same ones."""
+    keep_reasoning: bool = True
+    """Train on the target's reasoning (`<think>...</think>`, harmony's analysis channel) as
+    well as its answer. false: the reasoning stays in the sample (the target reads it before
+    it answers) but out of the loss, which starts after the reasoning's end marker."""
     temperature: float = 0.0
     """Sampling temperature of regenerated replies (0 = greedy)."""
     max_new_tokens: int = 512
@@ -73,3 +87,9 @@ class ExtractConfig:
         self.data = [self.data] if isinstance(self.data, str) else list(self.data)
         if not self.data:
             raise ConfigError("data: [] names no source; give one, e.g. sharegpt or chats.jsonl")
+        reserved = sorted(RESERVED_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ConfigError(
+                f"chat_template_kwargs: {reserved} are set by extract itself, as vLLM's chat "
+                "endpoint sets them; remove them."
+            )

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from draftsmith.errors import DatasetError
+from draftsmith.core.errors import DatasetError
 from draftsmith.extract.shardfile import TensorSpec, read_header, read_rows
 from draftsmith.extract.store import (
     FORMAT,
     TORCH_STORAGE_DTYPES,
     decode_hidden,
 )
-from draftsmith.files import sha256_file
+from draftsmith.core.files import sha256_file
 
 FORMAT_VERSIONS = (1,)
 MAX_OPEN_SHARDS = 128  # memory maps kept per process; older ones are dropped (LRU)

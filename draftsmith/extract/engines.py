@@ -1,7 +1,7 @@
 """The extraction's vLLM engines, started on first use: a finished or merge-only run needs none.
 
 A capture engine is keyed by what it captures (target, layers, engine options, length), so
-inside ``draftsmith.engine.shared_engines()`` a second run on the same target reuses the
+inside ``draftsmith.core.engine.shared_engines()`` a second run on the same target reuses the
 first one's engine; its connector keeps staging in the first run's directory, which is
 scratch space. A plain engine (self-written prompts, sampled replies) never runs beside
 shared ones: starting it closes them, as two engines at once would not fit in memory here.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith import engine
+from draftsmith.core import engine
 from draftsmith.extract.config import ExtractConfig
 
 

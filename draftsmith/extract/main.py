@@ -14,19 +14,18 @@ import json
 import time
 from pathlib import Path
 
-from draftsmith.config import parse_config, to_dict
-from draftsmith.console import progress, say, stage_log
-from draftsmith.errors import ConfigError, exit_code
-from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.engines import LazyEngine
-from draftsmith.sources import DataError, SkipLog, load_many
-from draftsmith.targets import (
-    EAGLE3_ARCHITECTURES,
+from draftsmith.conversations.sources import DataError, SkipLog, load_many
+from draftsmith.core.config import parse_config, to_dict
+from draftsmith.core.console import progress, say, stage_log
+from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.targets import (
     TargetError,
     default_layer_ids,
     read_target,
     validate_layer_ids,
 )
+from draftsmith.extract.config import ExtractConfig
+from draftsmith.extract.engines import LazyEngine
 
 
 def check_config(cfg: ExtractConfig) -> None:
@@ -62,17 +61,17 @@ def run(cfg: ExtractConfig) -> dict:
     """Extract (or resume) the dataset described by `cfg`; return its manifest."""
     from transformers import AutoTokenizer
 
+    from draftsmith.core.files import write_json_atomic
     from draftsmith.extract import capture, manifest, plan
     from draftsmith.extract.store import write_shard
-    from draftsmith.files import write_json_atomic
 
     run_started = time.monotonic()
     check_config(cfg)
     target = read_target(cfg.model)
-    if not target.supports_eagle3:
+    if refusal := target.eagle3_refusal:
         raise TargetError(
-            f"model: {cfg.model!r} is a {target.architecture}; vLLM taps hidden states for "
-            f"EAGLE-3 only on {', '.join(EAGLE3_ARCHITECTURES)}."
+            f"model: {cfg.model!r} cannot be tapped for EAGLE-3: {refusal}; pick a target whose "
+            "vLLM model implements SupportsEagle3."
         )
     layer_ids = validate_layer_ids(
         cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_hidden_layers),
@@ -102,7 +101,7 @@ def run(cfg: ExtractConfig) -> dict:
     # Sampling happens in a plain engine: vLLM 0.32's capture method corrupts sampled text.
     writer = LazyEngine(cfg, target.path)
     if self_specs:
-        from draftsmith.extract.selfwrite import write_prompts
+        from draftsmith.conversations.selfwrite import write_prompts
 
         if not cfg.regenerate:
             raise ConfigError(
@@ -117,7 +116,7 @@ def run(cfg: ExtractConfig) -> dict:
         raise DataError(f"data: {cfg.data} gave no usable conversation ({skips.by_reason()})")
     shards = plan.shard_ids(items, cfg.samples_per_shard)
     plan.write_plan(output, fp, shards, skips)
-    by_id = {it.id: it for it in items}
+    by_id = {sid: it for it in items for sid in it.sample_ids()}  # sample id -> its item
 
     todo = [
         k
@@ -149,7 +148,7 @@ def run(cfg: ExtractConfig) -> dict:
         samples = capture.capture_shard(
             engine.get(),
             tokenizer,
-            [by_id[i] for i in shards[k]],
+            plan.shard_items(shards[k], by_id),
             cfg,
             shard_skips,
             written=sequences,
@@ -159,6 +158,10 @@ def run(cfg: ExtractConfig) -> dict:
             manifest.sidecar_path(output, k),
             {
                 **info.to_dict(),
+                # Per-turn samples repeat their conversation's prefix: what is new in each.
+                "turn_samples": sum(s.get("turn") is not None for s in samples),
+                "samples_by_turn": _by_turn(samples),
+                "unique_tokens": info.tokens - sum(s.get("shared", 0) for s in samples),
                 "seconds": round(time.monotonic() - shard_start, 3),
                 "skipped": shard_skips.to_dict()["rows"],
                 "truncated": shard_skips.truncated,  # conversations cut to the rounds that fit
@@ -176,8 +179,9 @@ def run(cfg: ExtractConfig) -> dict:
 
 def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
     """Sampled replies for the shards to do, written by a plain engine, cached per shard."""
+    from draftsmith.core.files import write_json_atomic
+    from draftsmith.extract import plan
     from draftsmith.extract.capture import write_replies
-    from draftsmith.files import write_json_atomic
 
     cache = output / "replies"
     written = {}
@@ -185,18 +189,47 @@ def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) ->
         path = cache / f"shard-{k:05d}.json"
         if not path.is_file():
             skips = SkipLog()
-            seqs = write_replies(writer.get(), tokenizer, [by_id[i] for i in shards[k]], cfg, skips)
+            items = plan.shard_items(shards[k], by_id)
+            seqs = write_replies(writer.get(), tokenizer, items, cfg, skips)
             cache.mkdir(parents=True, exist_ok=True)
-            rows = [{"id": it.id, "input_ids": ids, "loss_mask": m} for it, ids, m in seqs]
+            rows = [
+                {
+                    "id": it.id,
+                    "input_ids": ids,
+                    "loss_mask": m,
+                    "turn": it.turn,
+                    "shared": it.shared,
+                }
+                for it, ids, m in seqs
+            ]
             write_json_atomic(path, {"sequences": rows, "skipped": skips.to_dict()})
         data = json.loads(path.read_text())
         skips = SkipLog()
         for row in data["skipped"]["rows"]:
             skips.add(row["id"], None, row["reason"], row.get("detail", ""))
         skips.truncated = data["skipped"].get("truncated", 0)
-        seqs = [(by_id[r["id"]], r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
+        seqs = [(_cached_item(by_id, r), r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
         written[k] = (seqs, skips)
     return written
+
+
+def _by_turn(samples: list[dict]) -> dict[str, int]:
+    """How many per-turn samples hold the k-th assistant turn, by k."""
+    counts: dict[str, int] = {}
+    for sample in samples:
+        if sample.get("turn") is not None:
+            counts[str(sample["turn"])] = counts.get(str(sample["turn"]), 0) + 1
+    return counts
+
+
+def _cached_item(by_id: dict, row: dict):
+    """The item of one cached written sequence (a turn item for a per-turn sample)."""
+    from draftsmith.extract.plan import turn_item
+
+    item = by_id[row["id"]]
+    if row.get("turn") is None or item.turn is not None:
+        return item
+    return turn_item(item, row["turn"], row.get("shared", 0))
 
 
 def _self_count(spec: str) -> int:
@@ -217,8 +250,15 @@ def summary(man: dict) -> str:
         ", ..." if len(sk["by_reason"]) > 3 else ""
     )
     return (
-        f"dataset: {man['num_samples']} samples, {man['num_tokens']:,} tokens "
-        f"({man['num_loss_tokens']:,} in loss) in {len(man['shards'])} of "
+        f"dataset: {man['num_samples']} samples"
+        + (f" ({man['num_turn_samples']} single turns)" if man.get("num_turn_samples") else "")
+        + f", {man['num_tokens']:,} tokens ("
+        + (
+            f"{man['num_unique_tokens']:,} unique, "
+            if man.get("num_unique_tokens", man["num_tokens"]) != man["num_tokens"]
+            else ""
+        )
+        + f"{man['num_loss_tokens']:,} in loss) in {len(man['shards'])} of "
         f"{man['num_shards_planned']} shards"
         + (f" (stopped by {man['stopped_by']})" if man.get("stopped_by") else "")
         + f"; layers {man['layer_ids']} as {man['storage_dtype']}; skipped {sk['count']}"
@@ -228,8 +268,8 @@ def summary(man: dict) -> str:
 
 
 def main(args: list[str] | None = None) -> int:
-    cfg = parse_config(ExtractConfig, args, prog="draftsmith extract")
-    return exit_code("draftsmith extract", lambda: run_stage(cfg))
+    prog = "draftsmith extract"
+    return exit_code(prog, lambda: run_stage(parse_config(ExtractConfig, args, prog=prog)))
 
 
 def run_stage(cfg: ExtractConfig) -> int:

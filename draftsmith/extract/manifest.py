@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 
 from draftsmith import __version__
+from draftsmith.core.files import write_json_atomic
+from draftsmith.core.targets import TargetInfo
 from draftsmith.extract.plan import PLAN_FILE
 from draftsmith.extract.store import bytes_per_token
-from draftsmith.files import write_json_atomic
-from draftsmith.targets import TargetInfo
 
 LAYER_ID_MEANING = (
     "id k is the residual stream after k decoder layers, before any norm: 0 is the "
@@ -69,6 +69,15 @@ def target_entry(target: TargetInfo) -> dict:
     }
 
 
+def _by_turn(shards: list[dict]) -> dict[str, int]:
+    """Per-turn samples by turn number (from 1), summed over the shards."""
+    counts: dict[str, int] = {}
+    for shard in shards:
+        for turn, n in shard.get("samples_by_turn", {}).items():
+            counts[turn] = counts.get(turn, 0) + n
+    return dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+
+
 def build_manifest(
     output: Path,
     target: TargetInfo,
@@ -113,6 +122,17 @@ def build_manifest(
         "num_samples": sum(s["samples"] for s in shards),
         "num_tokens": sum(s["tokens"] for s in shards),
         "num_loss_tokens": sum(s["loss_tokens"] for s in shards),
+        # A template that renders earlier turns differently (reasoning, harmony) gives one
+        # sample per assistant turn, each repeating its conversation's prefix.
+        "num_turn_samples": sum(s.get("turn_samples", 0) for s in shards),
+        "turn_samples_by_turn": _by_turn(shards),
+        "num_unique_tokens": sum(s.get("unique_tokens", s["tokens"]) for s in shards),
+        "samples_meaning": (
+            "a sample is a whole conversation, or (sample id '<conversation>#<k>') the k-th "
+            "assistant turn alone after exactly the prompt the target reads when it writes "
+            "it; num_unique_tokens counts tokens that are not a repeat of the previous "
+            "turn sample's prefix"
+        ),
         "shards": shards,
         "skipped": {
             "count": skipped_count,

@@ -4,6 +4,12 @@ The plan is computed before any state is captured and written to ``plan.json``. 
 fixes the order of samples and their shard, so a resumed or data-parallel run writes
 each sample exactly once. Its fingerprint (target, layers, dtype, every option that
 changes the content) guards an output directory against a run with other settings.
+
+A conversation is one sample when the chat template renders it prefix-stably; otherwise
+(reasoning templates, harmony) each assistant turn is a sample ``{id}#{k}`` (k-th reply,
+from 1) holding exactly what the target reads when it writes that turn, plus the turn.
+Such samples repeat their conversation's prefix: ``Item.shared`` counts the tokens each
+shares with the previous one, so the manifest can tell stored from unique tokens.
 """
 
 from __future__ import annotations
@@ -14,12 +20,20 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.conversations.sources import Conversation, DataError, SkipLog
+from draftsmith.conversations.template import (
+    NotPrefixStable,
+    TemplateError,
+    is_prefix_stable,
+    mask_reasoning,
+    reasoning_ends,
+    render_conversation,
+    render_turns,
+)
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.files import write_json_atomic
+from draftsmith.core.targets import TargetInfo
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.files import write_json_atomic
-from draftsmith.sources import Conversation, DataError, SkipLog
-from draftsmith.targets import TargetInfo
-from draftsmith.template import TemplateError, render_conversation
 
 PLAN_FILE = "plan.json"
 
@@ -55,6 +69,34 @@ class Item:
     messages: list[dict]
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    tools: list[dict] | None = None
+    """The conversation's tool definitions, given to the chat template."""
+    turn: int | None = None
+    """The assistant turn (from 1) this sample holds alone; None: the whole conversation."""
+    rounds: int = 0
+    """With regeneration, for a template that is not prefix-stable: the number of replies
+    the target writes, each captured as its own sample ``{id}#{k}``. 0: one sample."""
+    shared: int = 0
+    """Leading tokens equal to the conversation's previous turn sample (a repeated prefix)."""
+
+    def sample_ids(self) -> list[str]:
+        """The ids of the samples this item becomes, in order."""
+        return [f"{self.id}#{k}" for k in range(1, self.rounds + 1)] if self.rounds else [self.id]
+
+
+def turn_item(item: Item, turn: int, shared: int = 0) -> Item:
+    """The sample of `item`'s `turn`-th regenerated reply."""
+    return Item(f"{item.id}#{turn}", item.messages, tools=item.tools, turn=turn, shared=shared)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def fingerprint(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int]) -> dict:
@@ -64,8 +106,13 @@ def fingerprint(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int]) ->
         "layer_ids": list(layer_ids),
         **{key: getattr(cfg, key) for key in CONTENT_KEYS},
     }
-    if cfg.keep_replies:  # only when set: datasets written before the option still resume
+    # Only when set: datasets written before these options still resume.
+    if cfg.keep_replies:
         fp["keep_replies"] = cfg.keep_replies
+    if not cfg.keep_reasoning:
+        fp["keep_reasoning"] = False
+    if cfg.chat_template_kwargs:
+        fp["chat_template_kwargs"] = cfg.chat_template_kwargs
     return fp
 
 
@@ -92,40 +139,91 @@ def check_fingerprint(output: Path, expected: dict) -> None:
 def plan_items(
     convs: list[Conversation], tokenizer, cfg: ExtractConfig, skips: SkipLog
 ) -> list[Item]:
-    """Tokenise (or, with regeneration, only check) every conversation; skip and count."""
-    items: list[Item] = []
+    """Tokenise (or, with regeneration, only check) every conversation; skip and count.
+
+    `cfg.limit` counts conversations, whatever number of samples each becomes."""
+    groups: list[list[Item]] = []  # the items of each conversation kept
     keeps = _keeper(cfg.keep_replies)
+    ends = None if cfg.keep_reasoning else reasoning_ends(tokenizer)
     for conv in convs:
+        chat = {"tools": conv.tools, "kwargs": cfg.chat_template_kwargs}
         has_replies = any(m["role"] == "assistant" for m in conv.messages)
-        if cfg.regenerate and not (has_replies and keeps()):
+        # The target cannot call tools here: a conversation with tool calls keeps its replies.
+        if cfg.regenerate and not (has_replies and (_uses_tools(conv) or keeps())):
             users = [m for m in conv.messages if m["role"] == "user"]
             if not users:
                 skips.add(conv, conv.row, "no_user_turn")
                 continue
             kept = [m for m in conv.messages if m["role"] != "assistant"]
-            items.append(Item(conv.id, kept))
+            try:
+                stable = len(users) < 2 or is_prefix_stable(tokenizer, _answered(kept), **chat)
+            except TemplateError as err:
+                _template_error(conv, err, cfg, skips)
+                continue
+            rounds = 0 if stable else len(users)
+            groups.append([Item(conv.id, kept, tools=conv.tools, rounds=rounds)])
             continue
         try:
-            rendered = render_conversation(tokenizer, conv.messages)
+            try:
+                whole = render_conversation(tokenizer, conv.messages, **chat)
+                samples = [(conv.id, None, whole.input_ids, whole.loss_mask)]
+            except NotPrefixStable:
+                turns = render_turns(tokenizer, conv.messages, **chat)
+                samples = [
+                    (f"{conv.id}#{k}", k, r.input_ids, r.loss_mask)
+                    for k, r in enumerate(turns, start=1)
+                ]
         except TemplateError as err:
-            if cfg.bad_rows == "error":
-                raise DataError(f"{conv.source}:{conv.row}: field 'messages': {err}") from err
-            skips.add(conv, None, "template_error", str(err))
+            _template_error(conv, err, cfg, skips)
             continue
-        ids, mask = rendered.input_ids, rendered.loss_mask
-        if len(ids) > cfg.max_length:
-            if cfg.overlong == "skip":
-                skips.add(conv, conv.row, "too_long", f"{len(ids)} > max_length {cfg.max_length}")
+        group: list[Item] = []
+        for sample_id, turn, ids, mask in samples:
+            if ends is not None:
+                mask = mask_reasoning(ids, mask, ends)
+            if len(ids) > cfg.max_length:
+                if cfg.overlong == "skip":
+                    detail = f"{len(ids)} > max_length {cfg.max_length}"
+                    skips.add(conv.source, conv.row, "too_long", detail, id=sample_id)
+                    continue
+                ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+                skips.truncated += 1
+            if not any(mask):
+                detail = "nothing of the assistant fits"
+                skips.add(conv.source, conv.row, "no_loss_tokens", detail, id=sample_id)
                 continue
-            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-            skips.truncated += 1
-        if not any(mask):
-            skips.add(conv, conv.row, "no_loss_tokens", "nothing of the assistant fits")
-            continue
-        items.append(Item(conv.id, conv.messages, ids, mask))
+            shared = common_prefix(group[-1].input_ids, ids) if group else 0
+            item = Item(sample_id, conv.messages, ids, mask, conv.tools, turn, shared=shared)
+            group.append(item)
+        if group:
+            groups.append(group)
     if cfg.limit is not None:
-        items = items[: cfg.limit]
-    return items
+        groups = groups[: cfg.limit]
+    return [item for group in groups for item in group]
+
+
+# A reply standing in for the target's when checking, before it answers, how the template
+# renders a conversation: with a reasoning block, which reasoning templates drop.
+PROBE_REPLY = "<think>\nA thought.\n</think>\n\nAn answer."
+
+
+def _answered(messages: list[dict]) -> list[dict]:
+    """`messages` (no assistant turns) with a probe reply after every user turn."""
+    out = []
+    for m in messages:
+        out.append(m)
+        if m["role"] == "user":
+            out.append({"role": "assistant", "content": PROBE_REPLY})
+    return out
+
+
+def _uses_tools(conv: Conversation) -> bool:
+    return bool(conv.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in conv.messages)
+
+
+def _template_error(conv: Conversation, err: TemplateError, cfg: ExtractConfig, skips) -> None:
+    if cfg.bad_rows == "error":
+        raise DataError(f"{conv.source}:{conv.row}: field 'messages': {err}") from err
+    skips.add(conv, None, "template_error", str(err))
 
 
 def _keeper(share: float):
@@ -145,8 +243,18 @@ def _keeper(share: float):
 
 
 def shard_ids(items: list[Item], per_shard: int) -> list[list[str]]:
-    """Sample ids of each shard, in order."""
-    return [[it.id for it in items[i : i + per_shard]] for i in range(0, len(items), per_shard)]
+    """Sample ids of each shard, in order (an item's samples always share a shard)."""
+    chunks = [items[i : i + per_shard] for i in range(0, len(items), per_shard)]
+    return [[sid for it in chunk for sid in it.sample_ids()] for chunk in chunks]
+
+
+def shard_items(sample_ids: list[str], by_sample: dict[str, Item]) -> list[Item]:
+    """The items behind a shard's sample ids, each once, in order."""
+    seen: dict[str, Item] = {}
+    for sid in sample_ids:
+        item = by_sample[sid]
+        seen.setdefault(item.id, item)
+    return list(seen.values())
 
 
 def write_plan(output: Path, fp: dict, shards: list[list[str]], skips: SkipLog) -> None:

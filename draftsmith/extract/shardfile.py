@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import DatasetError
+from draftsmith.core.errors import DatasetError
 from draftsmith.extract.store import SAFETENSORS_DTYPES
 
 MAX_HEADER_BYTES = 1 << 28

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from draftsmith.files import write_atomic
+from draftsmith.core.files import write_atomic
 
 FORMAT = "draftsmith.hidden_states"
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")

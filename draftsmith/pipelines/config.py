@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import yaml
 
-from draftsmith.config import merge, parse_config, section_overrides, set_dotted
-from draftsmith.errors import DraftsmithError
-from draftsmith.stages import PIPELINE
+from draftsmith.core.config import merge, parse_config, section_overrides, set_dotted
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.pipelines.stages import PIPELINE
 
 STAGES = PIPELINE
 
@@ -60,25 +60,24 @@ class PipelineConfig:
     each stage gets a share: extraction stops starting shards at ``extract_share`` of it
     (the data shrinks, whole shards), training runs for ``train_share`` of it plus any
     seconds extraction left unused (fixed whatever the hour: a slow machine gets less
-    data, never less training), and the evaluation has the rest: its replies
-    (``eval.max_tokens``) shorten when ``eval_engine_cost`` predicts it would overrun, and
+    data, never less training), and the evaluation has the rest: it uses fewer prompts per
+    set (never shorter replies) when ``eval_engine_cost`` predicts it would overrun, and
     suffix decoding is skipped when it would. Needs the extract stage (not ``data:``)."""
     extract_share: float = 0.30
     """Share of time_budget extraction may use (engine starts and prompt writing included)."""
     train_share: float = 0.40
     """Share of time_budget training gets at least (trainer.max_time), less TRAIN_STARTUP_S."""
-    eval_engine_cost: float = 1.3
-    """Under time_budget: the seconds one evaluation engine takes at ``eval.max_tokens``,
-    per second the validation set took to extract in this run. The validation set is the
-    same work every run (the same prompts, greedy replies), so its seconds measure this
-    hour's speed. When the engines would overrun what the budget has left, the optional
-    baseline (suffix) is left to run only if time remains, then every reply is cut
-    (``eval.max_tokens``, never below EVAL_MIN_TOKENS), the same for every method. 0 turns
-    the prediction off. Measured for 20 + 20 prompts, one temperature:
-    docs/head-quality.md."""
-    eval_fixed_share: float = 0.7
-    """Share of ``eval_engine_cost`` that cutting replies does not save: the engine's start,
-    the prefill, and the replies that end before the cut."""
+    eval_engine_cost: float = 1.0
+    """Under time_budget: one evaluation engine's seconds per prompt, per second a sample
+    took to extract in this run (its shards regenerate replies at serving length on an
+    engine already running, so they measure this hour's speed without a cold start). When
+    the engines would overrun what the budget has left, the optional baseline (suffix)
+    runs only if time remains, and each prompt set is cut (``eval.limit``, never below
+    EVAL_MIN_PROMPTS); replies keep ``eval.max_tokens``. 0 turns the prediction off.
+    Measured: docs/head-quality.md."""
+    eval_engine_start_s: float = 30.0
+    """Under time_budget: seconds an evaluation engine takes besides its prompts (start,
+    warm-up, shutdown), which cutting prompts does not save."""
     stop_after: Literal["extract", "train", "export", "eval"] = "eval"
     """Last stage to run."""
     dry_run: bool = False

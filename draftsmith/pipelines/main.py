@@ -23,18 +23,20 @@ train from ``checkpoints/last.ckpt``. Layout of ``<output>``::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import io
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from draftsmith.config import parse_config
-from draftsmith.console import say, stage_log
-from draftsmith.engine import shared_engines
-from draftsmith.errors import DraftsmithError, exit_code
-from draftsmith.files import write_json_atomic
+from draftsmith.core.config import parse_section
+from draftsmith.core.console import say, stage_log
+from draftsmith.core.engine import shared_engines
+from draftsmith.core.errors import DraftsmithError, exit_code
+from draftsmith.core.files import write_json_atomic
 from draftsmith.pipelines.config import (
     STAGES,
     PipelineConfig,
@@ -42,23 +44,30 @@ from draftsmith.pipelines.config import (
     parse_pipeline,
     seconds_of,
 )
-from draftsmith.pipelines.plan import DONE, Plan, eval_tokens, train_time
-from draftsmith.stages import COMMANDS
+from draftsmith.pipelines.plan import (
+    DONE,
+    Plan,
+    eval_prompts,
+    record,
+    shard_seconds_per_sample,
+    train_time,
+)
+from draftsmith.pipelines.stages import COMMANDS
 
 
-def stage_config(stage: str, args: list[str]) -> Any:
-    """The stage's typed config parsed from ``args`` (the train stage: ``args`` as they are,
-    for its LightningCLI)."""
+def stage_config(stage: str, section: dict[str, Any]) -> Any:
+    """The stage's typed config, parsed once from its section in memory (the train stage's
+    section goes as it is to its LightningCLI, which parses it when the stage runs)."""
     command = COMMANDS[stage]
     if command.config is None:
-        return args
+        return section
     with _named(stage):
-        return parse_config(command.config_class(), args, prog=f"draftsmith {stage}")
+        return parse_section(command.config_class(), section, prog=f"draftsmith {stage}")
 
 
-def run_stage(stage: str, args: list[str]) -> int:
-    """Run one stage in this process; its errors propagate, prefixed with the stage."""
-    config = stage_config(stage, args)
+def run_stage(stage: str, config: Any) -> int:
+    """Run one stage in this process on its parsed config; its errors propagate, prefixed
+    with the stage."""
     with _named(stage):
         return importlib.import_module(COMMANDS[stage].module).run_stage(config) or 0
 
@@ -73,25 +82,28 @@ def _named(stage: str):
 
 
 def dry_run(plan: Plan) -> None:
-    """Parse every section with its stage's parser (nothing runs)."""
+    """Parse every section with its stage's parser and check it against the target's
+    config where it can be read (nothing runs, nothing is written)."""
+    from draftsmith.pipelines.checks import check_against_target
+
+    for line in check_against_target(plan.cfg):  # the target's facts first: the cheapest
+        say(line)
     for stage in STAGES:
         if stage == "extract" and plan.cfg.data:
             continue
         if stage == "extract" and plan.val_dir() is not None:
-            stage_config("extract", plan.validation_args())
-        args = plan.stage_args(stage)
+            stage_config("extract", plan.validation_section())
+        section = plan.section(stage)
         if stage == "train":
-            import contextlib
-            import io
+            from draftsmith.train.main import run_stage as train_stage
 
-            with contextlib.redirect_stdout(io.StringIO()):
-                try:
-                    COMMANDS["train"].main()([*args, "--print_config"])
-                except SystemExit as done:
-                    if done.code:
-                        raise
+            quiet = io.StringIO()  # Lightning's seeding and banner lines
+            with _named(stage), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(
+                quiet
+            ):
+                train_stage(fit(section), dry_run=True)
         else:
-            stage_config(stage, args)
+            stage_config(stage, section)
         say(f"{stage:8s} ok  -> {plan.dirs[stage]}")
 
 
@@ -103,11 +115,23 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     state_file = out / "pipeline.json"
     state: dict[str, Any] = {"config": cfg.__dict__, "stages": {}}
     last = STAGES.index(cfg.stop_after)
+    configs: dict[str, Any] = {}  # each stage's config, parsed once
     for stage in ("extract", "export", "eval"):  # bad options fail before hours of work
         if not (stage == "extract" and cfg.data) and STAGES.index(stage) <= last:
-            stage_config(stage, plan.stage_args(stage))
+            configs[stage] = stage_config(stage, plan.section(stage))
+    if plan.val_dir() is not None and not cfg.data:
+        configs["validation"] = stage_config("extract", plan.validation_section())
     run_started = time.monotonic()
     for stage in STAGES[: last + 1]:
+        if stage == "eval" and cfg.time_budget:  # fewer prompts when the hour is slow
+            used = time.monotonic() - run_started
+            left = max(seconds_of(cfg.time_budget) - used, 60.0)
+            plan.eval_time_limit = round(left)
+            _cut_evaluation(plan, configs["eval"], left, state)
+            configs["eval"] = dataclasses.replace(
+                configs["eval"], time_limit=plan.eval_time_limit,
+                limit=plan.eval_limit or configs["eval"].limit, output=str(plan.dirs["eval"]),
+            )  # fmt: skip
         d = plan.dirs[stage]
         entry = {"dir": str(d), "hash": plan.hashes[stage]}
         if stage == "extract" and cfg.data:
@@ -124,32 +148,19 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             extract_s = state["stages"]["extract"]["seconds"]
             plan.train_max_time, state["budget"] = train_time(cfg, extract_s)
             say(f"pipeline: time_budget {cfg.time_budget}: train for {plan.train_max_time}")
-        if stage == "eval" and cfg.time_budget:  # baselines that would overrun are skipped
-            used = time.monotonic() - run_started
-            left = max(seconds_of(cfg.time_budget) - used, 60.0)
-            plan.eval_time_limit = round(left)
-            section = stage_config("eval", plan.stage_args("eval"))
-            plan.eval_max_tokens, accounting = eval_tokens(
-                cfg, section, plan.validation_seconds, left
-            )
-            state.setdefault("budget", {}).update(accounting)
-            if plan.eval_max_tokens and plan.eval_max_tokens < accounting["eval_max_tokens_asked"]:
-                optional = accounting["eval_engines_optional"]
-                rest = ", suffix only if time is left" if optional else ""
-                say(f"pipeline: time_budget: {left:.0f} s left; {accounting['eval_engines']} "
-                    f"engines at {accounting['eval_max_tokens_asked']} tokens per reply would "
-                    f"take about {accounting['eval_predicted_s']:.0f} s: replies cut to "
-                    f"{plan.eval_max_tokens} tokens{rest}")  # fmt: skip
         say(f"pipeline: {stage} -> {d}")
         started = time.monotonic()
         # The validation set and the data share one engine; it shuts down (and logs that)
         # into the stage's log, like everything else the stage's libraries print.
         with stage_log(d / f"{stage}.log"), shared_engines():
-            if stage == "extract" and plan.val_dir() is not None:
+            if stage == "extract" and "validation" in configs:
                 say(f"pipeline: validation set -> {plan.val_dir()}")
-                run_stage("extract", plan.validation_args())
+                record(plan.val_dir(), plan.validation_section())
+                run_stage("extract", configs["validation"])
                 plan.validation_seconds = time.monotonic() - started
-            code = run_stage(stage, plan.stage_args(stage))
+            config = _late_fields(stage, plan, configs)
+            record(d, plan.section(stage))
+            code = run_stage(stage, config)
         seconds = round(time.monotonic() - started, 1)
         status = "done" if not code else f"failed (exit {code})"
         state["stages"][stage] = {**entry, "status": status, "seconds": seconds}
@@ -162,6 +173,58 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
         report = plan.dirs["eval"] / "report.md"
         (out / "summary.md").write_text(report.read_text() if report.is_file() else "")
     return state
+
+
+def _late_fields(stage: str, plan: Plan, configs: dict[str, Any]) -> Any:
+    """A stage's parsed config with what is known only now: extraction's time left after
+    the validation set, the checkpoint training chose. The train stage's section is built
+    now (its max_time and resume point are known now) and parsed by its LightningCLI."""
+    if stage == "train":
+        return fit(plan.section("train"))
+    config = configs[stage]
+    if stage == "extract" and config.time_limit is not None:
+        return dataclasses.replace(config, time_limit=plan.section("extract")["time_limit"])
+    if stage == "export":
+        return dataclasses.replace(config, checkpoint=str(plan.checkpoint()))
+    return config
+
+
+def fit(section: dict[str, Any]) -> dict[str, Any]:
+    """The train stage's LightningCLI input for its ``fit`` section, in memory."""
+    return {"subcommand": "fit", "fit": section}
+
+
+def _cut_evaluation(plan: Plan, section: Any, left: float, state: dict[str, Any]) -> None:
+    """Decide the evaluation's prompts per set from this run's extraction speed."""
+    measured = shard_seconds_per_sample(plan.dirs["extract"])
+    if measured is None:
+        return
+    per_sample, extract_tokens = measured
+    counts = prompt_counts(section)
+    limit, accounting = eval_prompts(plan.cfg, section, per_sample, left, counts, extract_tokens)
+    plan.set_eval_limit(limit)
+    state.setdefault("budget", {}).update(accounting, eval_left_s=round(left))
+    predicted = accounting["eval_predicted_s"]
+    if limit is None:
+        say(f"pipeline: time_budget: {left:.0f} s left; {accounting['eval_engines']} engines "
+            f"at {section.max_tokens} tokens per reply: about {predicted:.0f} s")  # fmt: skip
+        return
+    optional = accounting["eval_engines_optional"]
+    rest = ", suffix only if time is left" if optional else ""
+    say(f"pipeline: time_budget: {left:.0f} s left; {accounting['eval_engines']} engines on "
+        f"{sum(counts)} prompts would take about {predicted:.0f} s: {limit} prompts per set, "
+        f"replies kept at {section.max_tokens} tokens{rest}")  # fmt: skip
+
+
+def prompt_counts(section: Any) -> list[int]:
+    """Prompts each of the evaluation's sets holds, after its ``limit``."""
+    from draftsmith.conversations.sources import SkipLog, load_many
+
+    counts = []
+    for spec in section.datasets:
+        n = len(load_many([spec], require_assistant=False, skips=SkipLog(), limit=section.limit))
+        counts.append(n)
+    return counts
 
 
 def _budget_left(cfg: PipelineConfig, started: float) -> str:

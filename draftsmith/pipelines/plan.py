@@ -26,7 +26,7 @@ from draftsmith.pipelines.config import (
 
 DONE = ".done.json"  # a finished stage's marker: {"seconds": ...}
 TRAIN_STARTUP_S = 30.0  # train-stage seconds outside trainer.max_time: imports, setup, last save
-EVAL_MIN_TOKENS = 64  # per reply: shorter ones would measure the first sentence only
+EVAL_MIN_PROMPTS = 10  # per set: a cut evaluation keeps at least this many prompts
 
 
 def digest(*parts: Any) -> str:
@@ -75,11 +75,10 @@ class Plan:
                     f"extract_share={cfg.extract_share}, train_share={cfg.train_share}: each "
                     "must be > 0 and together < 1 (the evaluation has the rest)"
                 )
-            if not (0 <= cfg.eval_fixed_share < 1 and cfg.eval_engine_cost >= 0):
+            if not (cfg.eval_engine_start_s >= 0 and cfg.eval_engine_cost >= 0):
                 raise PipelineError(
-                    f"eval_fixed_share={cfg.eval_fixed_share}, eval_engine_cost="
-                    f"{cfg.eval_engine_cost}: the share must be in [0, 1) (some of an engine's "
-                    "seconds follow its replies' length) and the cost >= 0 (0: no prediction)"
+                    f"eval_engine_start_s={cfg.eval_engine_start_s}, eval_engine_cost="
+                    f"{cfg.eval_engine_cost}: both must be >= 0 (cost 0: no prediction)"
                 )
             if cfg.data:
                 raise PipelineError(
@@ -97,7 +96,7 @@ class Plan:
             self.dirs["extract"] = Path(cfg.data)
         self.train_max_time: str | None = None  # set by run() under time_budget
         self.eval_time_limit: float | None = None  # likewise: what the budget has left
-        self.eval_max_tokens: int | None = None  # likewise: eval.max_tokens cut to fit that
+        self.eval_limit: int | None = None  # likewise: prompts per set cut to fit that
         self.validation_seconds = 0.0  # set by run(): the validation set's extraction
 
     def val_dir(self) -> Path | None:
@@ -106,28 +105,26 @@ class Plan:
             return None
         return self.dirs["extract"] / "val"
 
-    def validation_args(self) -> list[str]:
-        """The extract stage's arguments for the validation dataset (writes its stage.yaml)."""
+    def validation_section(self) -> dict[str, Any]:
+        """The extract stage's section for the validation dataset."""
         d = self.val_dir()
         assert d is not None
-        d.mkdir(parents=True, exist_ok=True)
         # A mix of kept and regenerated replies is for training; validation measures the
         # target's own replies unless its section says otherwise.
         inherited = {k: v for k, v in self.cfg.extract.items() if k != "keep_replies"}
         section = {**inherited, **self.cfg.validation}
         section.update(model=self.cfg.model, output=str(d))
-        (d / "stage.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
-        return [f"--config={d / 'stage.yaml'}"]
+        return section
 
     def checkpoint(self) -> Path:
         ckpts = self.dirs["train"] / "checkpoints"
         best = ckpts / "best.ckpt"
         return best if best.is_file() else ckpts / "last.ckpt"
 
-    def stage_args(self, stage: str) -> list[str]:
-        """The argument list for ``stage``'s main (writes its stage.yaml)."""
+    def section(self, stage: str) -> dict[str, Any]:
+        """``stage``'s config section with the paths and budget that chain the stages
+        filled in (the train stage's: its ``fit`` subcommand's)."""
         cfg, d = self.cfg, self.dirs[stage]
-        d.mkdir(parents=True, exist_ok=True)
         if stage == "extract":
             section = {**cfg.extract, "model": cfg.model, "output": str(d)}
             if cfg.time_budget:
@@ -147,6 +144,9 @@ class Plan:
             section["trainer"]["logger"] = _loggers(section["trainer"].get("logger"), d)
             if self.train_max_time:
                 section["trainer"]["max_time"] = self.train_max_time
+            last = d / "checkpoints" / "last.ckpt"
+            if last.is_file():  # resume an interrupted run
+                section["ckpt_path"] = str(last)
         elif stage == "export":
             section = {**cfg.export, "checkpoint": str(self.checkpoint()), "output": str(d)}
         else:
@@ -154,15 +154,24 @@ class Plan:
             section.update(output=str(d), train_data=str(self.dirs["extract"]))  # overlap guard
             if self.eval_time_limit:
                 section["time_limit"] = self.eval_time_limit
-            if self.eval_max_tokens:
-                section["max_tokens"] = self.eval_max_tokens
-        stage_yaml = d / "stage.yaml"
-        stage_yaml.write_text(yaml.safe_dump(section, sort_keys=False))
-        if stage == "train":
-            args = ["fit", f"--config={stage_yaml}"]
-            last = d / "checkpoints" / "last.ckpt"
-            return [*args, f"--ckpt_path={last}"] if last.is_file() else args
-        return [f"--config={stage_yaml}"]
+            if self.eval_limit:
+                section["limit"] = self.eval_limit
+        return section
+
+    def set_eval_limit(self, limit: int | None) -> None:
+        """Cut the evaluation to ``limit`` prompts per set; its address includes the cut,
+        so a rerun on another hour never reuses an evaluation of another size."""
+        self.eval_limit = limit
+        if limit is not None:
+            self.hashes["eval"] = digest("eval", self.hashes["export"], self.cfg.model,
+                                         self.cfg.eval, {"limit": limit})  # fmt: skip
+            self.dirs["eval"] = Path(self.cfg.output) / f"eval-{self.hashes['eval']}"
+
+
+def record(directory: Path, section: dict[str, Any]) -> None:
+    """Write a stage's section to ``<dir>/stage.yaml``: for the record, never read back."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "stage.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
 
 
 def train_time(cfg: PipelineConfig, extract_seconds: float) -> tuple[str, dict[str, float]]:
@@ -206,36 +215,61 @@ def eval_engines(section: EvalConfig) -> tuple[int, int]:
     return len(methods), sum(map(skippable_under_time_limit, methods))
 
 
-def eval_tokens(
-    cfg: PipelineConfig, section: EvalConfig, validation_s: float, left_s: float
-) -> tuple[int | None, dict]:
-    """eval.max_tokens under ``cfg.time_budget`` for the eval stage's parsed ``section``,
-    and the accounting behind it.
+def shard_seconds_per_sample(dataset: Path) -> tuple[float, int] | None:
+    """(seconds per sample, max_new_tokens) of the dataset's extraction: the median over its
+    shards of capture seconds per sample. Each shard regenerates replies with the engine
+    already running, so it measures serving-length decoding on this machine without an
+    engine start. None when no shard recorded its seconds."""
+    manifest = dataset / "manifest.json"
+    if not manifest.is_file():
+        return None
+    data = json.loads(manifest.read_text())
+    rates = sorted(
+        shard["seconds"] / shard["samples"]
+        for shard in data.get("shards", [])
+        if shard.get("seconds") and shard.get("samples")
+    )
+    if not rates:
+        return None
+    return rates[len(rates) // 2], int(data.get("config", {}).get("max_new_tokens") or 0)
 
-    Each engine is predicted to take ``cfg.eval_engine_cost`` x ``validation_s`` (this
-    run's validation-set extraction, the same work every run) at the configured
-    max_tokens, of which ``cfg.eval_fixed_share`` does not shrink with shorter replies.
-    When every engine fits, nothing changes. Otherwise the replies are cut so that the
-    engines a time limit cannot skip fit ``left_s`` (suffix then runs only if time is
-    left), to EVAL_MIN_TOKENS at least. Replies, not prompts: an engine decodes its
-    prompts together, so its seconds follow the number of decoding steps (13 prompts took
-    as long as 20). None: keep the configured length (nothing measured to predict from)."""
-    asked = section.max_tokens
-    if not (validation_s and cfg.eval_engine_cost):
+
+def eval_prompts(
+    cfg: PipelineConfig, section: EvalConfig, per_sample_s: float, left_s: float,
+    prompts_per_set: list[int], extract_tokens: int = 0,
+) -> tuple[int | None, dict]:  # fmt: skip
+    """The evaluation's prompts per set under ``cfg.time_budget``, and the accounting.
+
+    Replies stay at ``eval.max_tokens`` (serving length): methods are compared on replies
+    as long as users get. Each engine is predicted to take ``cfg.eval_engine_start_s`` plus
+    ``cfg.eval_engine_cost`` x ``per_sample_s`` per prompt, ``per_sample_s`` being this
+    run's extraction seconds per sample (:func:`shard_seconds_per_sample`, scaled by
+    ``eval.max_tokens / extract_tokens``). When every engine fits ``left_s``, nothing
+    changes. Otherwise each set is cut to the prompts with which the engines a time limit
+    cannot skip fit (suffix then runs only if time is left), never below
+    EVAL_MIN_PROMPTS. None: keep every prompt."""
+    if not (per_sample_s and cfg.eval_engine_cost and prompts_per_set):
         return None, {}
+    if extract_tokens:
+        per_sample_s *= section.max_tokens / extract_tokens
     engines, optional = eval_engines(section)
-    per_engine = cfg.eval_engine_cost * validation_s
-    fixed, decode = per_engine * cfg.eval_fixed_share, per_engine * (1 - cfg.eval_fixed_share)
-    predicted = engines * per_engine
+    per_prompt = cfg.eval_engine_cost * per_sample_s
+    asked = max(prompts_per_set)
+    predicted = engines * (cfg.eval_engine_start_s + per_prompt * sum(prompts_per_set))
     required = engines - optional
-    fits = asked if predicted <= left_s else int(asked * (left_s / required - fixed) / decode)
-    n = min(asked, max(fits, min(EVAL_MIN_TOKENS, asked)))
+    if predicted <= left_s:
+        fits = asked
+    else:
+        budget = left_s / required - cfg.eval_engine_start_s  # decoding seconds per engine
+        fits = int(budget / (per_prompt * len(prompts_per_set)))
+    limit = min(asked, max(fits, EVAL_MIN_PROMPTS))
     accounting = {
-        "validation_s": round(validation_s, 1),
+        "eval_seconds_per_prompt": round(per_prompt, 2),
         "eval_engines": engines,
         "eval_engines_optional": optional,
         "eval_predicted_s": round(predicted, 1),
-        "eval_max_tokens": n,
-        "eval_max_tokens_asked": asked,
+        "eval_prompts_per_set": [min(n, limit) for n in prompts_per_set],
+        "eval_prompts_asked": prompts_per_set,
+        "eval_max_tokens": section.max_tokens,
     }
-    return n, accounting
+    return (limit if limit < asked else None), accounting

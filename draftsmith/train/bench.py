@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.config import parse_config, to_dict
-from draftsmith.targets import read_target
+from draftsmith.core.config import parse_config, to_dict
+from draftsmith.core.errors import exit_code
+from draftsmith.core.targets import read_target
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.loss import ttt_loss
 from draftsmith.train.ttt import AttentionImpl, ttt_unroll
@@ -146,6 +147,10 @@ def mfu(head: torch.nn.Module, cfg: BenchTrainConfig, tokens_per_s: float) -> fl
 
 
 def main(args: list[str] | None = None) -> int:
+    return exit_code("draftsmith bench-train", lambda: _main(args))
+
+
+def _main(args: list[str] | None) -> int:
     cfg = parse_config(BenchTrainConfig, args, prog="draftsmith bench-train")
     result = run(cfg)
     print(json.dumps(result, indent=2))

@@ -29,10 +29,10 @@ from typing import Literal
 
 import torch
 
-from draftsmith.config import parse_config, to_dict
-from draftsmith.errors import ConfigError, exit_code
-from draftsmith.memory import evict, resident_fraction, warm
-from draftsmith.targets import TargetInfo, default_layer_ids, read_target, validate_layer_ids
+from draftsmith.core.config import parse_config, to_dict
+from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.memory import evict, resident_fraction, warm
+from draftsmith.core.targets import TargetInfo, default_layer_ids, read_target, validate_layer_ids
 
 H100_TRAIN_TOKENS_PER_S = 9952
 """bench-train on an H100, Llama-3.1-8B shape, TTT 7, 32k draft vocab (docs/benchmarks.md)."""
@@ -115,11 +115,11 @@ def write_synthetic(
     out: Path, target: TargetInfo, layer_ids: list[int], storage: str, cfg: BenchLoaderConfig
 ) -> dict:
     """A complete dataset of random states in ``out``, written as extract writes one."""
+    from draftsmith.conversations.sources import SkipLog
+    from draftsmith.core.files import write_json_atomic
     from draftsmith.extract.manifest import build_manifest, shard_name, sidecar_path
     from draftsmith.extract.plan import write_plan
     from draftsmith.extract.store import write_shard
-    from draftsmith.files import write_json_atomic
-    from draftsmith.sources import SkipLog
 
     lengths = sample_lengths(cfg.tokens, cfg.sample_tokens, cfg.seed)
     ids = [f"synthetic-{k}" for k in range(len(lengths))]
@@ -294,9 +294,8 @@ def table(result: dict) -> str:
 
 
 def main(args: list[str] | None = None) -> int:
-    cfg = parse_config(BenchLoaderConfig, args, prog="draftsmith bench-loader")
-
     def go() -> int:
+        cfg = parse_config(BenchLoaderConfig, args, prog="draftsmith bench-loader")
         result = run(cfg)
         print(table(result), flush=True)
         if cfg.output:

@@ -15,8 +15,9 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import TargetInfo
 from draftsmith.extract import DatasetError, HiddenStatesDataset, open_dataset
-from draftsmith.targets import TargetInfo
 from draftsmith.train.packing import (
     PackedDataset,
     ResumableLoader,
@@ -133,7 +134,10 @@ class EagleDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if row_tokens < 1 or batch_size < 1 or num_workers < 0 or noise_std < 0:
-            raise ValueError("row_tokens, batch_size >= 1; num_workers, noise_std >= 0")
+            raise ConfigError(
+                "data: row_tokens and batch_size must be >= 1, num_workers and noise_std >= 0; "
+                f"got {row_tokens}, {batch_size}, {num_workers}, {noise_std}"
+            )
         self.data, self.row_tokens, self.batch_size = data, row_tokens, batch_size
         self.val_data = val_data
         self.num_workers, self.seed, self.noise_std = num_workers, seed, noise_std
@@ -162,7 +166,7 @@ class EagleDataModule(pl.LightningDataModule):
             self.val_indices = list(range(len(self.val_dataset)))
         if max_train_samples is not None:
             if max_train_samples < 1:
-                raise ValueError(
+                raise ConfigError(
                     f"data.max_train_samples: {max_train_samples}; give at least 1, or null "
                     "for every sample"
                 )

@@ -12,6 +12,7 @@ Sharded checkpoints (directories) are consolidated first: DeepSpeed ZeRO's, and 
 
 from __future__ import annotations
 
+import pickle
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -20,14 +21,19 @@ from typing import Any
 
 import torch
 
-from draftsmith.config import parse_config
-from draftsmith.console import say
-from draftsmith.errors import DraftsmithError, exit_code
-from draftsmith.targets import read_target
+from draftsmith.core.config import parse_config
+from draftsmith.core.console import say
+from draftsmith.core.errors import DraftsmithError, exit_code
+from draftsmith.core.targets import read_target
+from draftsmith.train.dflash import DFlashDrafter
+from draftsmith.train.dflash_export import export_dflash
 from draftsmith.train.headdir import HEADS, export_head
 from draftsmith.train.module import CHECKPOINT_KEY
 
 FSDP_METADATA = "meta.pt"  # Lightning's file beside the shards of an FSDP sharded checkpoint
+# Beyond tensors and containers, the only types a draftsmith checkpoint holds: Lightning's
+# hyper-parameter dict and the paths its callbacks keep. Anything else is refused unread.
+SAFE_TYPES = ("lightning.fabric.utilities.data.AttributeDict", "pathlib.PosixPath")
 
 
 class CheckpointError(DraftsmithError):
@@ -65,10 +71,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             merged = Path(tmp) / "merged.ckpt"
             convert_zero_checkpoint_to_fp32_state_dict(str(path), str(merged))
-            ckpt = torch.load(merged, map_location="cpu", weights_only=False)
+            ckpt = load_file(merged, path)
     else:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if CHECKPOINT_KEY not in ckpt:
+        ckpt = load_file(path)
+    if not isinstance(ckpt, dict) or CHECKPOINT_KEY not in ckpt:
         raise CheckpointError(
             f"checkpoint: {path} has no '{CHECKPOINT_KEY}' entry; it was not written by "
             "`draftsmith train` (a checkpoint from before its first validation has none either)"
@@ -84,20 +90,61 @@ def read_fsdp_sharded(path: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
         dcp_to_torch_save(path, merged)  # {"model": state dict, "optimizer_0": ...}
-        shards = torch.load(merged, map_location="cpu", weights_only=False)
-    ckpt = torch.load(path / FSDP_METADATA, map_location="cpu", weights_only=False)
+        shards = load_file(merged, path)
+    ckpt = load_file(path / FSDP_METADATA)
     return {**ckpt, "state_dict": shards["model"]}
+
+
+def _safe_types() -> list[type]:
+    import importlib
+
+    types = []
+    for dotted in SAFE_TYPES:
+        module, _, name = dotted.rpartition(".")
+        types.append(getattr(importlib.import_module(module), name))
+    return types
+
+
+def load_file(path: Path, shown: Path | None = None) -> Any:
+    """``torch.load`` that runs no code: ``weights_only=True`` with :data:`SAFE_TYPES`
+    allowed. A file that is not a checkpoint, or that holds any other type (a pickle from
+    elsewhere can run code when unpickled), is refused in one line naming it."""
+    shown = shown or path
+    try:
+        with torch.serialization.safe_globals(_safe_types()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = next((line for line in str(err).splitlines() if "GLOBAL" in line), "")
+        if found:
+            raise CheckpointError(
+                f"checkpoint: {shown} holds a type draftsmith does not load "
+                f"({found.strip()}); only tensors, containers and {list(SAFE_TYPES)} are "
+                "read, so a checkpoint cannot run code; export checkpoints `draftsmith train` "
+                "wrote"
+            ) from err
+        raise CheckpointError(
+            f"checkpoint: {shown} is not a readable checkpoint ({err}); give a .ckpt file "
+            "`draftsmith train` wrote"
+        ) from err
+    except Exception as err:  # a damaged or foreign file fails in many ways; all are one line
+        problem = str(err).splitlines()[0] if str(err) else ""
+        problem = f"{type(err).__name__}: {problem}" if problem else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint: {shown} is not a readable checkpoint ({problem}); give a .ckpt "
+            "file `draftsmith train` wrote"
+        ) from err
 
 
 def head_from_checkpoint(ckpt: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(the trained head, its ``draftsmith`` info) from a loaded checkpoint."""
     info = ckpt[CHECKPOINT_KEY]
-    if info["kind"] not in HEADS:
+    heads = {**HEADS, "dflash": DFlashDrafter}
+    if info["kind"] not in heads:
         raise CheckpointError(
-            f"checkpoint: head kind {info['kind']!r} is not one of {sorted(HEADS)}; retrain "
+            f"checkpoint: head kind {info['kind']!r} is not one of {sorted(heads)}; retrain "
             "with this version of draftsmith"
         )
-    head = HEADS[info["kind"]](**info["head_kwargs"])
+    head = heads[info["kind"]](**info["head_kwargs"])
     state = {k[len("head.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -129,7 +176,8 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
             **card["Training data"],
             "draft_vocab_coverage": info["draft_vocab_coverage"],
         }
-    return export_head(
+    write = export_dflash if info["kind"] == "dflash" else export_head
+    return write(
         head,
         info["kind"],
         read_target(info["target"]),
@@ -142,8 +190,8 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
 
 
 def main(args: list[str] | None = None) -> int:
-    cfg = parse_config(ExportConfig, args, prog="draftsmith export")
-    return exit_code("draftsmith export", lambda: run_stage(cfg))
+    prog = "draftsmith export"
+    return exit_code(prog, lambda: run_stage(parse_config(ExportConfig, args, prog=prog)))
 
 
 def run_stage(cfg: ExportConfig) -> int:

@@ -34,9 +34,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from draftsmith.errors import ConfigError
-from draftsmith.targets import TargetInfo, text_config, validate_layer_ids
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import TargetInfo, text_config, validate_layer_ids
 from draftsmith.train.heads import Eagle1Head, Eagle3Head
+from draftsmith.train.layers import rope_kind
 
 # Head kinds are named as vLLM's speculative_config ``method``.
 ARCHITECTURES = {"eagle3": "Eagle3LlamaForCausalLM", "eagle": "EagleLlamaForCausalLM"}
@@ -45,12 +46,23 @@ NEVER_EXPORTED = ("embed_tokens", "t2d")  # shared with / derived from the targe
 
 
 def rope_fields(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """``rope_parameters`` (transformers 5, read by vLLM 0.32) and the legacy mirrors."""
+    """``rope_parameters`` (transformers 5, read by vLLM 0.32) and the legacy mirrors.
+
+    vLLM's Llama draft passes ``rope_parameters`` to ``get_rope`` after transformers'
+    ``standardize_rope_params``, which prefers a top-level ``partial_rotary_factor`` and
+    ``original_max_position_embeddings``: those are mirrored at the top level with the same
+    values, so every reader sees one rope.
+    """
     scaling = dict(scaling or {})
     kind = scaling.pop("rope_type", scaling.pop("type", "default"))
     params = {"rope_type": kind, **scaling, "rope_theta": theta}
     legacy = {"rope_scaling": {"rope_type": kind, **scaling}} if kind != "default" else {}
-    return {"rope_parameters": params, "rope_theta": theta, **legacy}
+    mirrors = {
+        k: scaling[k]
+        for k in ("partial_rotary_factor", "original_max_position_embeddings")
+        if k in scaling
+    }
+    return {"rope_parameters": params, "rope_theta": theta, **legacy, **mirrors}
 
 
 def head_layer_ids(
@@ -92,6 +104,15 @@ def head_config(
             f"head reads hidden size {target_hidden}, target has {text['hidden_size']}"
         )
     ids = head_layer_ids(head, kind, target_config, layer_ids)
+    max_position = text.get("max_position_embeddings", 2048)
+    head_max = k.get("max_position_embeddings", max_position)
+    if rope_kind(k["rope_scaling"]) == "longrope" and head_max != max_position:
+        # LongRoPE's factors and scale depend on it (layers.rope_tables); the others do not.
+        raise ConfigError(
+            f"head max_position_embeddings {head_max} != the target's {max_position}: vLLM "
+            "builds the draft's LongRoPE from the target's; build the head with "
+            "from_target_config."
+        )
     layer: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": k["hidden_size"],
@@ -105,7 +126,7 @@ def head_config(
         "mlp_bias": False,
         "rms_norm_eps": k["rms_norm_eps"],
         **rope_fields(k["rope_theta"], k["rope_scaling"]),
-        "max_position_embeddings": text.get("max_position_embeddings", 2048),
+        "max_position_embeddings": max_position,
         "vocab_size": k["vocab_size"],
         "tie_word_embeddings": False,
     }

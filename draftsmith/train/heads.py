@@ -16,12 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.targets import text_config
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import text_config
 from draftsmith.train.layers import (
+    ROPE_KEYS,
     AttendFn,
     DecoderLayer,
     RMSNorm,
     RotaryEmbedding,
+    rope_kind,
     sdpa_attend,
 )
 
@@ -52,7 +55,9 @@ class _DraftHead(nn.Module):
             eps=k["rms_norm_eps"],
             attention_bias=k["attention_bias"],
         )
-        self.rotary = RotaryEmbedding(self.head_dim, k["rope_theta"], k["rope_scaling"])
+        self.rotary = RotaryEmbedding(
+            self.head_dim, k["rope_theta"], k["rope_scaling"], k["max_position_embeddings"]
+        )
         # Shared from the target, frozen, never exported: a non-persistent buffer.
         self.register_buffer(
             "embed_tokens", torch.zeros(k["vocab_size"], k["hidden_size"]), persistent=False
@@ -96,6 +101,7 @@ class Eagle3Head(_DraftHead):
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
+        max_position_embeddings: int = 2048,
         norm_before_residual: bool = False,
         norm_output: bool = False,
         attention_bias: bool = False,
@@ -207,6 +213,7 @@ class Eagle1Head(_DraftHead):
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
+        max_position_embeddings: int = 2048,
         attention_bias: bool = False,
     ) -> None:
         super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
@@ -253,13 +260,35 @@ class Eagle1Head(_DraftHead):
 
 
 def target_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from a transformers 4 or 5 ``config.json`` dict."""
-    params = config.get("rope_parameters")
-    if params:  # transformers 5: {"rope_theta": ..., "rope_type": ..., scaling keys}
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        return float(params.get("rope_theta", 10000.0)), None if kind == "default" else scaling
-    return float(config.get("rope_theta", 10000.0)), config.get("rope_scaling") or None
+    """(rope_theta, rope parameters or None) of a target's transformers 4 or 5 ``config.json``.
+
+    The parameters keep what vLLM's ``get_rope`` reads for the kind (``layers.ROPE_KEYS``) plus
+    ``partial_rotary_factor`` (also under its older names ``rotary_pct``/``rotary_emb_fraction``),
+    with ``original_max_position_embeddings`` resolved as transformers does (a top-level field
+    wins, then the rope dict's, then ``max_position_embeddings``). Per-layer-type rope dicts
+    give the full-attention one; M-RoPE sections are dropped (the draft's positions are 1-D).
+    None means plain rope over the whole head.
+    """
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" in params and isinstance(params["full_attention"], dict):
+        params = params["full_attention"]
+    theta = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    kind = rope_kind(params)
+    scaling: dict[str, Any] = {"rope_type": kind}
+    dropped = ("rope_theta", "type", "mrope_section", "mrope_interleaved")
+    keys = ROPE_KEYS.get(kind, [k for k in params if k not in dropped])  # unknown: all, to refuse
+    scaling |= {k: params[k] for k in keys if k in params}
+    names = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+    partial = next((src[n] for src in (params, config) for n in names if src.get(n)), 1.0)
+    if float(partial) != 1.0:
+        scaling["partial_rotary_factor"] = float(partial)
+    if "original_max_position_embeddings" in ROPE_KEYS.get(kind, ()):
+        orig = config.get("original_max_position_embeddings") or params.get(
+            "original_max_position_embeddings", config.get("max_position_embeddings")
+        )
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+    return theta, None if scaling == {"rope_type": "default"} else scaling
 
 
 def from_target_config(
@@ -272,7 +301,10 @@ def from_target_config(
     """
     cfg = text_config(target_config)
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"only silu MLPs are supported, target uses {cfg['hidden_act']!r}")
+        raise ConfigError(
+            f"model: the target's hidden_act is {cfg['hidden_act']!r}; draft heads use silu MLPs, "
+            "so this target is not supported"
+        )
     theta, scaling = target_rope(cfg)
     common: dict[str, Any] = dict(
         hidden_size=cfg["hidden_size"],
@@ -284,9 +316,10 @@ def from_target_config(
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
     )
     if kind == "eagle3":
         return Eagle3Head(**{"target_hidden_size": cfg["hidden_size"], **common, **draft_options})
     if kind == "eagle":
         return Eagle1Head(**{**common, **draft_options})
-    raise ValueError(f"kind must be 'eagle3' or 'eagle', got {kind!r}")
+    raise ConfigError(f"model.kind: {kind!r} is not a head built here; use eagle3 or eagle")

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.errors import ConfigError
-from draftsmith.targets import TargetInfo
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import TargetInfo
 from draftsmith.train.heads import Eagle1Head, Eagle3Head
 from draftsmith.train.layers import DecoderLayer
 from draftsmith.train.weights import load_target_layer

@@ -1,7 +1,8 @@
 """The pieces of a draft decoder layer, op for op as vLLM computes them.
 
-RMSNorm with vLLM's fused add (statistics in float32), neox-style rotary embeddings with
-vLLM's inverse frequencies (default, linear and llama3 scaling), attention with a pluggable
+RMSNorm with vLLM's fused add (statistics in float32), neox-style rotary embeddings equal to
+vLLM's for every rope kind its Llama draft builds (default, linear, dynamic, llama3, yarn,
+longrope; partial rotary), attention with a pluggable
 ``AttendFn`` (``(layer_idx, q, k, v) -> out``: SDPA by default; the training-time-test
 unroll in ``ttt.py`` passes one that keeps each layer's per-step KV), the gated MLP, and
 the residual-carrying decoder layer of vLLM's EAGLE models.
@@ -9,13 +10,15 @@ the residual-carrying decoder layer of vLLM's EAGLE models.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from draftsmith.core.errors import ConfigError
 
 # (layer_idx, q [B, n_heads, T, hd], k [B, n_kv, T, hd], v [B, n_kv, T, hd]) -> [B, n_heads, T, hd]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -58,52 +61,165 @@ class RMSNorm(nn.Module):
         return self._normalize(summed, x.dtype), summed.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
-    """Inverse frequencies [head_dim // 2] as vLLM's ``get_rope`` computes them."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind in ("default", "linear"):  # linear scales positions instead (see RotaryEmbedding)
-        return inv_freq
-    if kind == "llama3":  # vllm/.../rotary_embedding/llama3_rope.py
-        assert scaling is not None
-        factor, low, high = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
-        orig = scaling["original_max_position_embeddings"]
-        wave_len = 2 * math.pi / inv_freq
-        smooth = (orig / wave_len - low) / (high - low) if low != high else 0
-        return torch.where(
-            wave_len < orig / high,
-            inv_freq,
-            torch.where(
-                wave_len > orig / low,
-                inv_freq / factor,
-                (1 - smooth) * inv_freq / factor + smooth * inv_freq,
-            ),
+# The rope kinds a draft head supports, and the keys of each that vLLM's ``get_rope`` reads
+# (vllm/model_executor/layers/rotary_embedding/__init__.py: ``get_rope``). Every kind also
+# reads ``rope_theta`` and ``partial_rotary_factor``; the exported config writes these keys only.
+ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
+    "longrope": (
+        "short_factor",
+        "long_factor",
+        "original_max_position_embeddings",
+        "short_mscale",
+        "long_mscale",
+    ),
+}
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    """The rope type of a scaling dict (legacy ``type`` and ``su`` as vLLM patches them)."""
+    s = scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    return "longrope" if kind == "su" else kind
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """What vLLM's rotary embedding for the draft computes, as a function of the position.
+
+    ``cos/sin(position / position_scale * inv_freq) * attention_scale`` over the first
+    ``rotary_dim`` features of each head (neox halves); the rest pass through.
+    """
+
+    inv_freq: Tensor  # [rotary_dim // 2]
+    rotary_dim: int
+    attention_scale: float = 1.0  # YaRN's mscale, LongRoPE's scaling factor
+    position_scale: float = 1.0  # linear scaling divides positions by its factor
+
+
+def rope_tables(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int = 2048
+) -> RopeTables:
+    """The rotary embedding vLLM builds for a draft config with these rope fields.
+
+    ``scaling`` is the rope parameters without ``rope_theta`` (keys of ``ROPE_KEYS`` plus
+    ``partial_rotary_factor``), ``max_position`` the config's ``max_position_embeddings``.
+    Inverse frequencies and attention factors come from transformers' own rope functions
+    (``ROPE_INIT_FUNCTIONS``), with vLLM's choices where the two differ:
+
+    - ``linear`` divides positions by ``factor`` (vLLM's cache) instead of the frequencies.
+    - ``dynamic`` is static in vLLM: the NTK base is computed once at ``max_position``,
+      where it equals plain rope (transformers re-scales at run time past that length).
+    - ``longrope`` uses the long factors for every position when ``max_position`` exceeds
+      ``original_max_position_embeddings`` (vLLM decides by the engine's ``max_model_len``,
+      which defaults to the target's ``max_position_embeddings``), else the short ones;
+      its attention factor is ``long_mscale``/``short_mscale`` or vLLM's default from the
+      two lengths (vLLM ignores ``factor`` and ``attention_factor`` here).
+    """
+    params = {k: v for k, v in (scaling or {}).items() if k not in ("type", "rope_type")}
+    kind = rope_kind(scaling)
+    if kind not in ROPE_KEYS:
+        raise ConfigError(
+            f"rope_type: {kind!r} (the target's rope_parameters) has no draft-head rotary "
+            f"embedding; supported: {', '.join(ROPE_KEYS)}."
         )
-    raise NotImplementedError(f"rope_type {kind!r} is not supported by the draft heads")
+    if kind == "dynamic" and not {"alpha", "max_trained_positions"}.isdisjoint(params):
+        raise ConfigError(
+            "rope_parameters: dynamic rope with 'alpha' or 'max_trained_positions' has no "
+            "draft-head rotary embedding; only dynamic rope with 'factor' is supported."
+        )
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    default = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    if kind == "default":
+        return RopeTables(default, rotary_dim)
+    if kind == "linear":
+        return RopeTables(default, rotary_dim, position_scale=float(params["factor"]))
+    import transformers
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ConfigError(
+            f"rope_type: {kind!r} needs transformers >= 5 (rope_parameters), found "
+            f"{transformers.__version__}; upgrade transformers."
+        )
+    hf = {k: params[k] for k in ROPE_KEYS[kind] if k in params}
+    hf |= {"rope_type": kind, "rope_theta": theta, "partial_rotary_factor": partial}
+    seq_len = None
+    if kind == "longrope":
+        orig = int(hf.get("original_max_position_embeddings", max_position))
+        seq_len = max_position if max_position > orig else None  # long factors, or short
+        mscale = hf.pop("long_mscale" if seq_len else "short_mscale", None)
+        hf.pop("long_mscale" if not seq_len else "short_mscale", None)
+        if mscale is not None:
+            hf["attention_factor"] = float(mscale)
+    config = LlamaConfig(
+        hidden_size=head_dim,
+        num_attention_heads=1,
+        head_dim=head_dim,
+        max_position_embeddings=max_position,
+        rope_parameters=hf,
+    )
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len)
+    return RopeTables(inv_freq.float(), rotary_dim, attention_scale=float(attention_factor))
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int = 2048
+) -> Tensor:
+    """Inverse frequencies [rotary_dim // 2] as vLLM's ``get_rope`` computes them."""
+    return rope_tables(head_dim, theta, scaling, max_position).inv_freq
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (vLLM's default for Llama/Qwen), positions given per token."""
+    """Neox-style rotary embedding equal to vLLM's for the exported config (``rope_tables``),
+    positions given per token; partial rotary turns only the first ``rotary_dim`` features."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_position: int | None = None,
+    ) -> None:
         super().__init__()
-        scaling = dict(scaling) if scaling else None
-        if scaling and scaling.get("partial_rotary_factor", 1.0) != 1.0:
-            raise NotImplementedError("partial rotary embeddings are not supported")
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-        self.position_scale = float(scaling["factor"]) if kind == "linear" and scaling else 1.0
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        tables = rope_tables(head_dim, theta, scaling, max_position or 2048)
+        self.rotary_dim = tables.rotary_dim
+        self.attention_scale, self.position_scale = tables.attention_scale, tables.position_scale
+        self.register_buffer("inv_freq", tables.inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [B, n, T, hd], positions [B, T] -> rotated x [B, n, T, hd]."""
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [...] -> (cos, sin) [..., rotary_dim // 2] in float32, as vLLM's cache."""
         t = positions.float()
         if self.position_scale != 1.0:
             t = t / self.position_scale
-        freqs = t[..., None] * self.inv_freq  # [B, T, hd/2]
-        cos = freqs.cos().to(x.dtype)[:, None]  # [B, 1, T, hd/2]
-        sin = freqs.sin().to(x.dtype)[:, None]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        freqs = t[..., None] * self.inv_freq.float()
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scale != 1.0:
+            cos, sin = cos * self.attention_scale, sin * self.attention_scale
+        return cos, sin
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [B, n, T, hd], positions [B, T] -> rotated x [B, n, T, hd]."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]  # [B, 1, T, rd/2]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class Attention(nn.Module):

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from draftsmith.errors import ConfigError
+from draftsmith.core.errors import ConfigError
 from draftsmith.train.acceptance import acceptance_from_counts, chain_counts, step_validity
 
 LossKind = Literal["kl", "tv", "kl_tv"]

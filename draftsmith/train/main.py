@@ -26,9 +26,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from draftsmith.console import say, stage_log
-from draftsmith.cores import avoid_busy_cores
-from draftsmith.errors import ConfigError, exit_code
+from draftsmith.core.config import parse_errors
+from draftsmith.core.console import say, stage_log
+from draftsmith.core.cores import avoid_busy_cores
+from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.train.data import EagleDataModule
 from draftsmith.train.module import DraftModule
 from draftsmith.train.progress import ConsoleProgress
@@ -48,16 +49,28 @@ class TrainCLI(LightningCLI):
     """LightningCLI with draftsmith's defaults, early checks and a quiet console."""
 
     exit_stack: contextlib.ExitStack  # holds the stage log open until the run ends
+    dry_run = False  # parse and check only: nothing is instantiated, written or run
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, then send this process's logs to ``<default_root_dir>/train.log``."""
         with warnings.catch_warnings():  # in-process calls (the pipeline) pass args on purpose
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            super().parse_arguments(parser, args)
+            with parse_errors():
+                super().parse_arguments(parser, args)
+        if self.dry_run:
+            return
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         root = Path(config.trainer.default_root_dir or ".")
         self.exit_stack.enter_context(stage_log(root / "train.log"))
+
+    def instantiate_classes(self) -> None:
+        if not self.dry_run:
+            super().instantiate_classes()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        if not self.dry_run:
+            super()._run_subcommand(subcommand)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -96,6 +109,8 @@ class TrainCLI(LightningCLI):
                 f"trainer.strategy: {class_path} runs on CUDA GPUs only; on CPU use class_path "
                 f"{GPU_ONLY[class_path]} (same init_args), or trainer.accelerator: gpu"
             )
+        if self.dry_run:  # the dataset is written by the stage before
+            return
         if not config.data.data or not Path(config.data.data).is_dir():
             raise ConfigError(
                 f"data.data: {config.data.data} is not a directory; run `draftsmith extract` "
@@ -119,10 +134,13 @@ def main(args: list[str] | None = None) -> int:
     return exit_code("draftsmith train", lambda: run_stage(args))
 
 
-def run_stage(args: list[str] | None) -> int:
+def run_stage(args: list[str] | dict[str, Any] | None, dry_run: bool = False) -> int:
+    """Run the LightningCLI on command-line ``args``, or on a config already in memory
+    (the pipeline's: ``{"subcommand": "fit", "fit": {...}}``, parsed once, here).
+    ``dry_run`` parses and checks it without instantiating or running anything."""
     on_gpu = torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
-        TrainCLI.exit_stack = stack
+        TrainCLI.exit_stack, TrainCLI.dry_run = stack, dry_run
         cli = TrainCLI(
             DraftModule,
             EagleDataModule,
@@ -133,9 +151,15 @@ def run_stage(args: list[str] | None) -> int:
                 "log_every_n_steps": 10,
             },
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "draftsmith train"},
-            run=True,
+            parser_kwargs={
+                "prog": "draftsmith train",
+                "exit_on_error": False,  # one line, not the whole usage (parse_errors)
+                **{cmd: {"exit_on_error": False} for cmd in ("fit", "validate")},
+            },
+            run=True,  # subcommands exist only then; a dry run stops before running one
         )
+    if dry_run:
+        return 0
     if cli.subcommand == "fit" and cli.trainer.is_global_zero:
         ckpt = cli.trainer.checkpoint_callback
         best = getattr(ckpt, "best_model_path", "") or "none"

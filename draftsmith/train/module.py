@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 
-from draftsmith.console import say
-from draftsmith.errors import ConfigError
+from draftsmith.core.console import say
+from draftsmith.core.errors import ConfigError
 from draftsmith.extract import DatasetError
-from draftsmith.targets import TargetInfo, read_target, text_config
+from draftsmith.core.targets import TargetInfo, read_target, text_config
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.dflash_train import build_dflash, dflash_forward_loss
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.init import init_from_target
 from draftsmith.train.loss import LossKind, objective_weights, teacher_argmax, ttt_loss
@@ -54,11 +55,12 @@ def eos_ids(target_config: dict[str, Any]) -> list[int]:
 
 
 class DraftModule(pl.LightningModule):
-    """Train an EAGLE-3 or EAGLE-1 head for the target a dataset was extracted from.
+    """Train an EAGLE-3, EAGLE-1 or DFlash head for the target a dataset was extracted from.
 
     Args:
         kind: ``eagle3`` (fused low/mid/high states, reduced draft vocabulary) or ``eagle``
-            (EAGLE-1: the target's final state, the target's lm_head); vLLM's method names.
+            (EAGLE-1: the target's final state, the target's lm_head) or ``dflash`` (a block
+            drafted in one pass, ``dflash_train.py``); vLLM's method names.
         target: the target model (directory, hub id or short name); default: the dataset's.
         num_layers: decoder layers in the head.
         ttt_steps: K, draft steps unrolled per batch (training-time test).
@@ -91,11 +93,20 @@ class DraftModule(pl.LightningModule):
         loss_chunk_size: tokens per chunk of logits in the loss (bounds peak memory).
         attention: TTT attention: ``auto`` (blockwise on CPU, efficient on GPU), ``blockwise``,
             ``efficient`` (SDPA; O(T) per step) or ``dense`` (reference).
+        block_size: DFlash: slots per block, the anchor plus ``block_size - 1`` drafts (serve
+            with ``num_speculative_tokens`` = block_size - 1).
+        num_anchors: DFlash: blocks per packed row, anchored at random response tokens.
+        mask_token_id: DFlash: the mask slots' token id; null: a spare id past the tokenizer,
+            else one unused in the responses (``dflash_train.py``).
+        train_mask_embedding: DFlash: learn the mask slots' input vector (exported as
+            ``mask_embedding.pt``); null: unless the mask id is spare with a non-zero row.
+        loss_decay_gamma: DFlash: slot i >= 1 weighs ``exp(-(i - 1) / gamma)``; null: the
+            paper's 7 / 5 / 4 for block sizes 16 / 10 / 8 and below.
     """
 
     def __init__(
         self,
-        kind: Literal["eagle3", "eagle"] = "eagle3",
+        kind: Literal["eagle3", "eagle", "dflash"] = "eagle3",
         target: str | None = None,
         num_layers: int = 1,
         ttt_steps: int = 7,
@@ -116,10 +127,15 @@ class DraftModule(pl.LightningModule):
         ce_weight: float = 0.1,
         loss_chunk_size: int = 1024,
         attention: Literal["auto", "blockwise", "efficient", "dense"] = "auto",
+        block_size: int = 8,
+        num_anchors: int = 128,
+        mask_token_id: int | None = None,
+        train_mask_embedding: bool | None = None,
+        loss_decay_gamma: float | None = None,
     ) -> None:
         super().__init__()
         if ttt_steps < 1 or not 0 < loss_decay <= 1 or lr <= 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model: need ttt_steps >= 1, 0 < loss_decay <= 1 and lr > 0; got "
                 f"ttt_steps={ttt_steps}, loss_decay={loss_decay}, lr={lr}"
             )
@@ -147,7 +163,10 @@ class DraftModule(pl.LightningModule):
             raise TypeError("DraftModule trains on an EagleDataModule (the `data:` section)")
         target = read_target(self.hparams.target or dm.target_path)
         dm.check_target(target)
-        self.build(target, dm.aux_layer_ids, dm.teacher_layer_id)
+        if self.hparams.kind == "dflash":
+            build_dflash(self, target, dm)
+        else:
+            self.build(target, dm.aux_layer_ids, dm.teacher_layer_id)
         if self.hparams.kind == "eagle3":
             counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
             ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(target.config))
@@ -251,6 +270,8 @@ class DraftModule(pl.LightningModule):
 
     def forward_loss(self, batch: dict[str, Tensor], full_vocab_top1: bool):
         """TTT unroll + loss; returns (total loss, ``TTTLoss``)."""
+        if self.hparams.kind == "dflash":  # blocks of slots instead of steps
+            return dflash_forward_loss(self, batch)
         hp, head = self.hparams, self.head
         teacher = self.teacher(batch)
         states = batch["aux_states"]
@@ -318,7 +339,8 @@ class DraftModule(pl.LightningModule):
         self._last_batch_end = None
 
     def on_validation_epoch_start(self) -> None:
-        k = self.hparams.ttt_steps
+        hp = self.hparams
+        k = hp.block_size - 1 if hp.kind == "dflash" else hp.ttt_steps
         self._val_seen = torch.zeros(k, dtype=torch.long, device=self.device)
         self._val_hit = torch.zeros(k, dtype=torch.long, device=self.device)
 

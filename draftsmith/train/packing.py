@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.memory import keep_freed_memory
 from draftsmith.extract import DatasetError, HiddenStatesDataset
-from draftsmith.memory import keep_freed_memory
 
 PAD_DOC_ID = -1
 
@@ -40,7 +41,7 @@ def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -
     way for the same seed.
     """
     if row_tokens < 1:
-        raise ValueError(f"row_tokens must be >= 1, got {row_tokens}")
+        raise ConfigError(f"data.row_tokens: {row_tokens}; give at least 1")
     order = list(range(len(lengths)))
     gen = torch.Generator().manual_seed(shuffle_seed) if shuffle_seed is not None else None
     if gen is not None:
@@ -69,7 +70,7 @@ def split_samples(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     for validation, at least 1 when ``n >= 2`` and ``val_fraction > 0``, never all unless
     ``val_fraction`` is 1 (everything is validation: for ``validate`` on a whole dataset)."""
     if not 0.0 <= val_fraction <= 1.0:
-        raise ValueError(f"data.val_fraction must be in [0, 1], got {val_fraction}")
+        raise ConfigError(f"data.val_fraction: {val_fraction}; give a share in [0, 1]")
     if val_fraction == 1.0:
         return [], list(range(n))
     n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 and val_fraction > 0 else 0

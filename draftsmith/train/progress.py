@@ -1,7 +1,7 @@
 """Training progress on the terminal: one bar of optimizer steps, loss, tokens/s, time left.
 
 Lightning's own bar writes to stderr, which a quiet stage sends to its log file; this one
-writes where :func:`draftsmith.console.say` does. Under ``trainer.max_time`` the bar's
+writes where :func:`draftsmith.core.console.say` does. Under ``trainer.max_time`` the bar's
 end is whichever comes first, the step count or the time cap.
 """
 
@@ -12,11 +12,11 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Timer
 
-from draftsmith.console import progress
+from draftsmith.core.console import progress
 
 
 class ConsoleProgress(Callback):
-    """A ``draftsmith.console.progress`` bar over the fit's optimizer steps (rank 0 only)."""
+    """A ``draftsmith.core.console.progress`` bar over the fit's optimizer steps (rank 0 only)."""
 
     def __init__(self) -> None:
         self.bar = None

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from draftsmith.targets import TargetError, TargetInfo, resolve_model
+from draftsmith.core.targets import TargetError, TargetInfo, resolve_model
 
 # Checkpoint names tried in order (plain Llama/Qwen, then multimodal wrappers).
 NAMES = {
@@ -98,7 +98,10 @@ def load_target_weights(target: TargetInfo, dtype: torch.dtype = torch.float32) 
         return None if name is None else _read(files, name, dtype)
 
     embed, norm, lm_head = read("embed"), read("norm"), read("lm_head")
-    if lm_head is None and config.get("tie_word_embeddings", text.get("tie_word_embeddings")):
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+    if lm_head is None and tied is not False:
+        # Tied, or the flag left to a config class whose default ties (as vLLM reads it): a
+        # checkpoint without an lm_head can only be served with the embeddings as its lm_head.
         lm_head = embed
     missing = [k for k, v in (("embed", embed), ("norm", norm), ("lm_head", lm_head)) if v is None]
     if missing:

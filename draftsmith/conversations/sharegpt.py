@@ -40,8 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from draftsmith.prompt_sets import package_dir
-from draftsmith.sources import DataError, SkipLog, parse_row
+from draftsmith.conversations.rows import DataError, SkipLog, package_dir, parse_row
 
 NAME = "sharegpt"
 FORMS = "sharegpt[:full][@train|@heldout]"

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.console import say
-from draftsmith.cores import avoid_busy_cores
+from draftsmith.core.console import say
+from draftsmith.core.cores import avoid_busy_cores
 
 
 @dataclass
@@ -50,7 +50,7 @@ class EngineOptions:
     vLLM advises (measured: single-stream 28.0 against 24.0 tok/s without it)."""
     cpu_avoid_busy_cores: bool = True
     """CPU build: before an engine starts, leave out cores another process keeps busy
-    (draftsmith/cores.py: one busy core of two made vLLM 5.2x slower when it kept both)."""
+    (draftsmith/core/cores.py: one busy core of two made vLLM 5.2x slower when it kept both)."""
     extra: dict = field(default_factory=dict)
     """Any other `vllm.LLM` keyword arguments, passed as they are."""
 

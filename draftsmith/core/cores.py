@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 BUSY = 0.8  # a core this busy, while we are idle, belongs to someone else
 _allowed: set[int] | None = None  # the cores this process could use when first asked
@@ -46,17 +47,20 @@ def core_load(seconds: float = 0.5) -> dict[int, float]:
     return load
 
 
-def avoid_busy_cores(seconds: float = 0.5) -> str | None:
+def avoid_busy_cores(
+    seconds: float = 0.5, measure: Callable[[float], dict[int, float]] = core_load
+) -> str | None:
     """Restrict this process to the cores that are not busy (all of them when none or all
-    are), measured now; returns a line saying what it did, or None when nothing changed.
-    Call it while this process is idle (before an engine or a training run starts)."""
+    are), measured now by ``measure`` (:func:`core_load`); returns a line saying what it
+    did, or None when nothing changed. Call it while this process is idle (before an
+    engine or a training run starts)."""
     global _allowed
     if not hasattr(os, "sched_setaffinity"):
         return None
     if _allowed is None:
         _allowed = set(os.sched_getaffinity(0))
     os.sched_setaffinity(0, _allowed)  # measure and decide afresh every time
-    load = core_load(seconds)
+    load = measure(seconds)
     busy = sorted(c for c in _allowed if load.get(c, 0.0) >= BUSY)
     free = sorted(_allowed - set(busy))
     if not busy or not free:

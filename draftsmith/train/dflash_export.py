@@ -1,0 +1,172 @@
+"""Write a trained DFlash drafter as a directory vLLM 0.32 serves with ``method: dflash``.
+
+- ``config.json``: ``architectures: ["DFlashDraftModel"]``, ``model_type: "qwen3"``, the
+  drafter's own sizes, the target's rope (vLLM would otherwise default rope_theta to 1e6)
+  and vocabulary, and ``dflash_config: {mask_token_id, target_layer_ids, block_size}``.
+  ``target_layer_ids`` are vLLM's 0-based ids (it taps ``i + 1``); no ``eagle_config`` or
+  ``eagle_aux_hidden_state_layer_ids``, which vLLM would read first.
+- ``model.safetensors``: vLLM's keys (``dflash.py``), no ``embed_tokens`` / ``lm_head``
+  (the target's are shared) and no mask embedding.
+- ``mask_embedding.pt`` when the mask embedding was trained: ``{"mask_token_id": int,
+  "embedding": [H] tensor}``, which vLLM reads with ``torch.load(weights_only=True)`` and
+  substitutes for ``embed_tokens[mask_token_id]`` in the mask slots.
+- ``README.md``: how to serve it.
+
+``dflash_config.block_size`` is informative: vLLM drafts ``num_speculative_tokens`` slots.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import TargetInfo, text_config
+from draftsmith.train.dflash import DFlashDrafter
+from draftsmith.train.headdir import _section, rope_fields
+
+ARCHITECTURE = "DFlashDraftModel"
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+NOT_IN_SAFETENSORS = ("embed_tokens", "mask_embedding")
+
+
+def dflash_config(
+    head: DFlashDrafter, target_config: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """The drafter's ``config.json`` (module docstring)."""
+    k, text = head.init_kwargs, text_config(target_config)
+    if k["vocab_size"] != text["vocab_size"]:
+        raise ConfigError(f"drafter vocab {k['vocab_size']} != target vocab {text['vocab_size']}")
+    n = text["num_hidden_layers"]
+    if any(not 0 <= i < n for i in head.target_layer_ids):
+        raise ConfigError(
+            f"target_layer_ids {head.target_layer_ids} fall outside the target's 0..{n - 1}; "
+            "export the drafter for the target it was trained on"
+        )
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": k["hidden_size"],
+        "intermediate_size": k["intermediate_size"],
+        "num_attention_heads": k["num_heads"],
+        "num_key_value_heads": k["num_kv_heads"] or k["num_heads"],
+        "head_dim": head.head_dim,
+        "num_hidden_layers": k["num_layers"],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": k["rms_norm_eps"],
+        **rope_fields(k["rope_theta"], k["rope_scaling"]),
+        "max_position_embeddings": text.get("max_position_embeddings", 2048),
+        "vocab_size": k["vocab_size"],
+        "target_hidden_size": k["target_hidden_size"] or k["hidden_size"],
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dflash_config": {
+            "mask_token_id": head.mask_token_id,
+            "target_layer_ids": list(head.target_layer_ids),
+            "block_size": head.block_size,
+        },
+    }
+
+
+def dflash_tensors(head: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The drafter's weights in vLLM's keys, cast to ``dtype``."""
+    return {
+        name: value.detach().cpu().to(dtype).contiguous()
+        for name, value in head.state_dict().items()
+        if name not in NOT_IN_SAFETENSORS
+    }
+
+
+def write_mask_embedding(head: DFlashDrafter, out_dir: Path, dtype: torch.dtype) -> Path | None:
+    """``mask_embedding.pt`` when the drafter trained one; None otherwise."""
+    if head.mask_embedding is None:
+        return None
+    path = out_dir / MASK_EMBEDDING_FILE
+    embedding = head.mask_embedding.detach().cpu().to(dtype).clone()
+    torch.save({"mask_token_id": head.mask_token_id, "embedding": embedding}, path)
+    return path
+
+
+def read_mask_embedding(head_dir: Path) -> tuple[int, torch.Tensor] | None:
+    """(mask_token_id, embedding [H]) from ``mask_embedding.pt``, read as vLLM reads it."""
+    path = Path(head_dir) / MASK_EMBEDDING_FILE
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=True)
+    return int(state["mask_token_id"]), state["embedding"].reshape(-1)
+
+
+def export_dflash(
+    head: DFlashDrafter,
+    kind: str,
+    target: TargetInfo,
+    out_dir: Path,
+    *,
+    layer_ids: list[int] | None = None,
+    num_speculative_tokens: int | None = None,
+    card: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write ``head`` for ``target`` to ``out_dir`` (atomically, via ``out_dir.tmp``); the
+    arguments are ``headdir.export_head``'s (``layer_ids``: draftsmith ids, checked against
+    the drafter's; ``num_speculative_tokens``: the card's suggestion, default block_size - 1)."""
+    if kind != "dflash" or not isinstance(head, DFlashDrafter):
+        raise ConfigError(f"kind {kind!r} does not fit a {type(head).__name__}; use dflash")
+    if layer_ids is not None and [i - 1 for i in layer_ids] != head.target_layer_ids:
+        raise ConfigError(
+            f"layer_ids {layer_ids} do not match the drafter's target_layer_ids "
+            f"{head.target_layer_ids} (+1 each); export the checkpoint as it was trained"
+        )
+    config = dflash_config(head, target.config, dtype)
+    out_dir = Path(out_dir).absolute()
+    tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(dflash_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
+    write_mask_embedding(head, tmp, dtype)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    k = num_speculative_tokens or head.block_size - 1
+    (tmp / "README.md").write_text(model_card(config, target.path, out_dir, k, card or {}))
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def model_card(
+    config: dict[str, Any], target: str, out_dir: Path, k: int, card: dict[str, Any]
+) -> str:
+    """README.md: what the drafter is, how to serve it, then the ``card`` sections."""
+    dflash = config["dflash_config"]
+    facts = {
+        "target (verifier)": target,
+        "method": f"vLLM `method: dflash`, `{ARCHITECTURE}`",
+        "draft layers": config["num_hidden_layers"],
+        "target_layer_ids": f"{dflash['target_layer_ids']} (0-based; vLLM taps id + 1)",
+        "mask_token_id": dflash["mask_token_id"],
+        "block_size (trained)": dflash["block_size"],
+        "dtype": config["torch_dtype"],
+    }
+    spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": k})
+    parts = [
+        f"# DFlash drafter for `{target}`",
+        _section(facts),
+        "## Use it",
+        f"vLLM drafts `num_speculative_tokens` slots per block (trained with {k}):",
+        f"```bash\nvllm serve {target} --speculative-config '{spec}'\n```",
+        "From Python:",
+        "```python\nfrom vllm import LLM, SamplingParams\n\n"
+        f"llm = LLM(model={target!r}, speculative_config={spec})\n"
+        'print(llm.generate(["Hello"], SamplingParams(max_tokens=64))[0].outputs[0].text)\n```',
+    ]
+    for name, value in card.items():
+        parts += [f"## {name.replace('_', ' ').capitalize()}", _section(value)]
+    return "\n\n".join(parts) + "\n"

@@ -1,0 +1,261 @@
+"""DFlash drafters: anchors and the block mask, the loss weights, the export, and a tiny
+drafter trained here and served in vLLM (lossless, accepted, close to the simulation)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftsmith.train.acceptance import acceptance_from_counts
+from draftsmith.train.dflash import DFlashDrafter
+from draftsmith.train.dflash_blocks import (
+    accepted_lengths,
+    anchor_candidates,
+    block_inputs,
+    block_loss,
+    block_mask,
+    default_gamma,
+    sample_anchors,
+    served_walk,
+    slot_validity,
+    slot_weights,
+)
+from draftsmith.train.dflash_export import (
+    MASK_EMBEDDING_FILE,
+    dflash_config,
+    dflash_tensors,
+    read_mask_embedding,
+    write_mask_embedding,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS, LR = 20, 1.0e-2  # the tiny recipe's drafter, trained until it drafts something
+
+
+def two_docs():
+    """One packed row of 8: doc 0 = positions 0..4 (prompt 0..1), doc 1 = 5..7 (prompt 5)."""
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]])
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    return doc_ids, position_ids, loss_mask
+
+
+def test_anchor_candidates_and_sampling():
+    doc_ids, position_ids, loss_mask = two_docs()
+    cand = anchor_candidates(loss_mask, doc_ids, position_ids)
+    # A response token with context before it and a response token after it in its doc:
+    # 2, 3 (4 ends doc 0), 6 (7 ends doc 1); 5 is a prompt token.
+    assert cand.tolist() == [[False, False, True, True, False, False, True, False]]
+    anchors, keep = sample_anchors(cand, num_anchors=10)
+    assert anchors.tolist() == [[2, 3, 6]] and keep.all()
+    seen = set()
+    for seed in range(30):
+        a, k = sample_anchors(cand, 2, torch.Generator().manual_seed(seed))
+        assert k.all() and a.shape == (1, 2) and a[0, 0] < a[0, 1]
+        seen.update(a.flatten().tolist())
+    assert seen == {2, 3, 6}
+    # A row with fewer candidates than another keeps its tail unused.
+    two = torch.cat([cand, torch.tensor([[False] * 6 + [True, False]])])
+    a, k = sample_anchors(two, 10)
+    assert a.tolist() == [[2, 3, 6], [6, 0, 0]] and k.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_block_mask_by_hand():
+    doc_ids, position_ids, loss_mask = two_docs()
+    anchors, keep = torch.tensor([[3, 6]]), torch.tensor([[True, True]])
+    mask = block_mask(anchors, keep, doc_ids, block_size=2)
+    assert mask.shape == (1, 1, 4, 8 + 4) and mask.dtype == torch.bool
+    # Keys: 8 context positions, then the 4 block slots (block 0 = slots 0-1, block 1 = 2-3).
+    expected = [
+        [1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # anchor 3: doc 0 before 3; its own block
+        [1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1],  # anchor 6: doc 1 before 6 (position 5)
+        [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1],
+    ]
+    assert mask[0, 0].int().tolist() == expected
+    ids, pos = block_inputs(torch.arange(10, 18)[None], position_ids, anchors, 2, 99)
+    assert ids.tolist() == [[13, 99, 16, 99]] and pos.tolist() == [[3, 4, 1, 2]]
+    valid, target = slot_validity(anchors, keep, loss_mask, doc_ids, block_size=3)
+    # Slot 0 never scores; anchor 3: 4 in doc 0, 5 is doc 1; anchor 6: 7, then off the row.
+    assert valid.int().tolist() == [[[0, 1, 0], [0, 1, 0]]]
+    assert target.tolist() == [[[3, 4, 5], [6, 7, 7]]]
+
+
+def test_slot_weights_and_loss_by_hand():
+    assert slot_weights(4, 2.0).tolist() == pytest.approx([0.0, 1.0, math.exp(-0.5), math.exp(-1)])
+    assert [default_gamma(b) for b in (16, 10, 8, 4)] == [7.0, 5.0, 4.0, 4.0]
+    torch.manual_seed(0)
+    h, v, t, bs = 8, 11, 6, 3
+    lm_head = torch.randn(v, h)
+    teacher_states = torch.randn(1, t, h)
+    drafts = torch.randn(1, 2 * bs, h, requires_grad=True)
+    anchors, keep = torch.tensor([[1, 3]]), torch.tensor([[True, True]])
+    doc_ids = torch.zeros(1, t, dtype=torch.long)
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    valid, target = slot_validity(anchors, keep, loss_mask, doc_ids, bs)
+    # Valid slots: (anchor 1, slot 1 -> pos 2), (1, 2 -> 3), (3, 1 -> 4); (3, 2 -> 5) unscored.
+    assert valid.int().tolist() == [[[0, 1, 1], [0, 1, 0]]]
+    gamma = 2.0
+    out, _ = block_loss(drafts, lm_head, teacher_states, valid, target, gamma, chunk_size=2)
+    # By hand: soft cross-entropy of each valid slot against the teacher row before it.
+    w1, w2 = 1.0, math.exp(-1 / gamma)
+    pairs = [(1, 2, w1), (2, 3, w2), (4, 4, w1)]  # (draft slot, target position, weight)
+    ce = [
+        -(F.softmax(teacher_states[0, p - 1] @ lm_head.T, -1)
+          * F.log_softmax(drafts[0, s] @ lm_head.T, -1)).sum()
+        for s, p, _ in pairs
+    ]  # fmt: skip
+    expected = sum(w * c for (_, _, w), c in zip(pairs, ce, strict=True)) / (w1 + w2 + w1)
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert out.step_loss.tolist() == pytest.approx([(ce[0] + ce[2]).item() / 2, ce[1].item()])
+    grad = torch.autograd.grad(out.loss, drafts)[0]
+    ref = torch.autograd.grad(expected, drafts)[0]
+    assert torch.allclose(grad, ref, atol=1e-6)
+    # Simulated acceptance: drafts equal to the teacher's states agree with its argmax.
+    right = torch.zeros(1, 2 * bs, h)
+    for s, p, _ in pairs:
+        right[0, s] = teacher_states[0, p - 1]
+    out, correct = block_loss(right, lm_head, teacher_states, valid, target, gamma)
+    assert correct.tolist() == [[[True, True], [True, False]]]
+    assert out.chain_seen.tolist() == [2, 1] and out.chain_hit.tolist() == [2, 1]
+    assert out.acceptance_length.item() == pytest.approx(3.0)  # 1 + 2/2 + (2/2)(1/1)
+    right[0, 2] = -right[0, 2]  # block 0's second draft now disagrees
+    out, correct = block_loss(right, lm_head, teacher_states, valid, target, gamma)
+    assert accepted_lengths(correct).tolist() == [[1, 1]]
+    assert out.chain_hit.tolist() == [2, 0] and out.acceptance_length.item() == pytest.approx(2.0)
+
+
+def test_served_walk_by_hand():
+    """vLLM's path: first block at the response's first token, next at a + accepted + 1."""
+    # One row, two docs: doc 0 responds at 2..7, doc 1 at 10..12; K = 3 drafts per block.
+    doc_ids = torch.tensor([[0] * 8 + [1] * 5])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    accepted = torch.zeros(1, 13, dtype=torch.long)
+    accepted[0, 2], accepted[0, 5], accepted[0, 6] = 2, 0, 1  # 3 and 4 are jumped over
+    accepted[0, 10] = 2  # lands on 13: the end
+    seen, hit = served_walk(accepted, loss_mask, doc_ids, k=3)
+    # Doc 0: blocks at 2 (m=2) -> 5 (m=0) -> 6 (m=1) -> 8: out. Doc 1: 10 (m=2) -> end.
+    # 4 drafts; accepted per position: first 3 (2, 6, 10), second 2 (2, 10), third 0.
+    assert seen.tolist() == [4, 3, 2] and hit.tolist() == [3, 2, 0]
+    assert acceptance_from_counts(seen, hit).item() == pytest.approx(1 + 5 / 4)
+
+
+def tiny_drafter(**kw) -> DFlashDrafter:
+    options = dict(hidden_size=128, num_heads=2, num_kv_heads=1, head_dim=64,
+                   intermediate_size=256, vocab_size=300, target_layer_ids=[1, 3, 4],
+                   mask_token_id=299, block_size=4)  # fmt: skip
+    return DFlashDrafter(**{**options, **kw})
+
+
+def test_export_names_and_mask_embedding_round_trip(tmp_path):
+    head = tiny_drafter()
+    head.set_embeddings(torch.randn(300, 128))
+    with torch.no_grad():
+        head.mask_embedding.normal_()
+    target = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "vocab_size": 300,
+              "num_hidden_layers": 8, "max_position_embeddings": 512}  # fmt: skip
+    config = dflash_config(head, target)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {
+        "mask_token_id": 299,
+        "target_layer_ids": [1, 3, 4],
+        "block_size": 4,
+    }
+    assert "eagle_config" not in config and config["rope_parameters"]["rope_theta"] == 10000.0
+    names = set(dflash_tensors(head, torch.float32))
+    layer = {"self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "input_layernorm"}
+    want = {"fc", "hidden_norm", "norm", *(f"layers.0.{n}" for n in layer)}
+    assert {f"{n}.weight" for n in want} <= names
+    assert not any("embed_tokens" in n or "lm_head" in n or "mask" in n for n in names)
+    path = write_mask_embedding(head, tmp_path, torch.float32)
+    assert path == tmp_path / MASK_EMBEDDING_FILE
+    mask_id, emb = read_mask_embedding(tmp_path)
+    assert mask_id == 299 and torch.equal(emb, head.mask_embedding.detach())
+    # vLLM's reader: torch.load(weights_only=True) of a dict with exactly these keys.
+    state = torch.load(path, weights_only=True)
+    assert set(state) == {"mask_token_id", "embedding"} and state["embedding"].shape == (128,)
+    # Served embeddings: the mask slots read the trained vector, the anchor its own row.
+    ids = torch.tensor([[5, 299, 299]])
+    x = head.embed(ids)
+    assert torch.equal(x[0, 1], head.mask_embedding.detach())
+    assert torch.equal(x[0, 0], head.embed_tokens[5])
+    assert (
+        write_mask_embedding(
+            tiny_drafter(train_mask_embedding=False), tmp_path / "x", torch.float32
+        )
+        is None
+    )
+
+
+@pytest.mark.vllm
+def test_tiny_dflash_trains_exports_and_serves_as_simulated(
+    tmp_path, make_tiny_llama, make_hf_dataset
+):
+    """The tiny-dflash recipe's drafter on a peaked tiny target: trained, validated (the served
+    walk), exported, served by vLLM with method dflash: lossless, accepted, as simulated."""
+    import yaml
+
+    from draftsmith.cli import main as cli_main
+    from draftsmith.train.main import main as train_main
+
+    target = make_tiny_llama(tmp_path / "peaked", seed=1, norm_scale=8.0)
+    prompts = [f"Write a short note about topic number {i}." for i in range(16)]
+    data = make_hf_dataset(tmp_path / "data", target, prompts, max_new_tokens=48)
+    recipe = yaml.safe_load((ROOT / "configs" / "pipelines" / "tiny-dflash.yaml").read_text())
+    section = recipe["train"]
+    section["trainer"]["max_epochs"] = EPOCHS
+    section["model"]["lr"] = LR
+    section["data"].update(data=str(data), val_fraction=0)
+    section["checkpoint"] = {"dirpath": str(tmp_path / "ckpt"), "monitor": None}
+    section["trainer"]["default_root_dir"] = str(tmp_path / "run")
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(section))
+    assert train_main(["fit", f"--config={config}"]) == 0
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    logs = tmp_path / "val"
+    validate = [f"--config={config}", "--data.val_fraction=1.0", f"--ckpt_path={ckpt}"]
+    csv_logger = "--trainer.logger=lightning.pytorch.loggers.CSVLogger"
+    assert train_main(["validate", *validate, csv_logger, f"--trainer.logger.save_dir={logs}"]) == 0
+    rows = list(csv.DictReader((logs / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    simulated = float(rows[-1]["val/acceptance_length"])
+
+    head = tmp_path / "head"
+    assert cli_main(["export", f"--checkpoint={ckpt}", f"--output={head}", "--dtype=float32"]) == 0
+    config_json = json.loads((head / "config.json").read_text())
+    assert config_json["dflash_config"]["target_layer_ids"] == [1, 3, 4]  # ids 2, 4, 5 - 1
+    assert (head / MASK_EMBEDDING_FILE).is_file()  # SmolLM2's tokenizer has no spare id
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    args = [f"--model={target}", f"--head={head}", "--method=dflash", "--k=[3]"]
+    args += [f"--datasets=[{prompt_file}]", "--max_tokens=48", "--concurrency=16"]
+    args += ["--baselines=[none]", "--lossless=true", "--wandb=false"]
+    assert cli_main(["eval", *args, f"--output={tmp_path / 'eval'}"]) == 0
+    runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
+    run = next(r for r in runs if r["method"] == "dflash")
+    assert run["lossless"]["mismatches"] == [], run["lossless"]
+    assert run["counters"]["num_accepted_tokens"] > 0, run
+    served = run["acceptance_length"]
+    print(f"dflash: simulated {simulated:.4f}, served {served:.4f}, counters {run['counters']}")
+    assert abs(served - simulated) <= 0.05 * served, (served, simulated)
+
+
+def test_mask_token_is_a_spare_id_when_the_vocabulary_has_one(smollm2_dir):
+    from types import SimpleNamespace
+
+    from draftsmith.core.errors import ConfigError
+    from draftsmith.train.dflash_train import choose_mask_token, target_layer_ids
+
+    padded = SimpleNamespace(path=str(smollm2_dir), vocab_size=49152 + 64)
+    assert choose_mask_token(padded, None, None) == (49152, True)  # first id past the tokenizer
+    assert choose_mask_token(padded, None, 49160) == (49160, True)
+    with pytest.raises(ConfigError, match="model.mask_token_id"):
+        choose_mask_token(padded, None, 49152 + 64)
+    assert target_layer_ids([2, 4, 5], 8) == [1, 3, 4]
+    with pytest.raises(Exception, match="data.aux_layers"):
+        target_layer_ids([0, 4], 8)
