@@ -99,7 +99,39 @@ FAMILIES = {
         attention_multiplier=1 / 64,
         logits_scaling=8.0,
     ),
+    # Further families vLLM can tap, run by the matrix with DRAFTSMITH_FAMILIES=all.
+    "phi3": dict(model_type="phi3", template="phi3"),  # fused qkv and gate_up projections
+    "ernie4_5": dict(model_type="ernie4_5", template="ernie"),
+    "apertus": dict(model_type="apertus", template="apertus"),  # xIELU, QK norms
+    "minicpm3": dict(  # multi-head latent attention, scaled embeddings and residuals
+        model_type="minicpm3",
+        template="chatml",
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+    ),
+    "deepseek_v3": dict(  # MLA (vLLM-CPU takes kv_lora_rank + rope dim = 576), MoE
+        model_type="deepseek_v3",
+        template="deepseek",
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",  # vLLM loads the router's e_score_correction_bias only so
+        scoring_func="sigmoid",
+    ),
 }
+CORE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "granite")
 
 
 def build_tiny_target(

@@ -9,6 +9,7 @@ import pytest
 
 from draftsmith.cli import main as cli_main
 from draftsmith.core.config import parse_config
+from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import validate_layer_ids
 from draftsmith.evaluate.checks import check_k
 from draftsmith.evaluate.config import EvalConfig
@@ -54,10 +55,13 @@ def test_overrides_apply_after_the_file():
     assert cfg.model == "smollm2-135m"  # from the file
 
 
-def test_unknown_option_is_refused(capsys):
-    with pytest.raises(SystemExit):
+def test_unknown_option_is_refused_in_one_line(capsys):
+    with pytest.raises(ConfigError, match="unrecognized arguments: --layer_idz") as err:
         parse_config(ExtractConfig, ["--layer_idz", "[1]"], prog="draftsmith extract")
-    assert "layer_idz" in capsys.readouterr().err
+    assert "\n" not in str(err.value)
+    assert cli_main(["extract", "--layer_idz", "[1]"]) == 2
+    printed = capsys.readouterr().err.strip()
+    assert printed.startswith("draftsmith extract: error: ") and "\n" not in printed
 
 
 def test_cli_lists_stages_and_rejects_unknown(capsys):

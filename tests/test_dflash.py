@@ -35,7 +35,7 @@ from draftsmith.train.dflash_export import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-EPOCHS, LR = 20, 1.0e-2  # the tiny recipe's drafter, trained until it drafts something
+EPOCHS = 20  # the tiny recipe's drafter, trained until it drafts something
 
 
 def two_docs():
@@ -210,7 +210,6 @@ def test_tiny_dflash_trains_exports_and_serves_as_simulated(
     recipe = yaml.safe_load((ROOT / "configs" / "pipelines" / "tiny-dflash.yaml").read_text())
     section = recipe["train"]
     section["trainer"]["max_epochs"] = EPOCHS
-    section["model"]["lr"] = LR
     section["data"].update(data=str(data), val_fraction=0)
     section["checkpoint"] = {"dirpath": str(tmp_path / "ckpt"), "monitor": None}
     section["trainer"]["default_root_dir"] = str(tmp_path / "run")

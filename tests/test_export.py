@@ -358,3 +358,27 @@ def test_head_dir_alone_serves_target_and_head(tmp_path, tiny_model_dir, tokeniz
     )
     result = run_engine(tmp_path / "run", tokenizer, model=str(head_dir))
     assert_lossless_with_drafts(result, target_only, k=2)
+
+
+def test_checkpoints_load_without_running_code(tmp_path, capsys):
+    """A checkpoint is read with weights_only: a pickle that would run code is refused in
+    one line, unread, and so is a file that is no checkpoint at all."""
+    import pathlib
+
+    from draftsmith.cli import main as cli_main
+
+    marker = tmp_path / "ran"
+
+    class Payload:  # unpickling it would create `marker`
+        def __reduce__(self):
+            return (pathlib.Path.touch, (marker,))
+
+    torch.save({"state_dict": {}, "payload": Payload()}, tmp_path / "evil.ckpt")
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint at all")
+    for name, said in (("evil.ckpt", "holds a type draftsmith does not load"),
+                       ("junk.ckpt", "is not a readable checkpoint")):  # fmt: skip
+        code = cli_main(["export", f"--checkpoint={tmp_path / name}", f"--output={tmp_path / 'o'}"])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and said in err, err
+        assert err.startswith(f"draftsmith export: error: checkpoint: {tmp_path / name}")
+    assert not marker.exists()

@@ -241,6 +241,7 @@ def test_bad_configs_say_what_to_fix(tmp_path, tiny_dataset, make_tiny_llama, ca
         "c": ([f"--model.target={tmp_path / 'nope'}"], "model: .*nope.* does not exist"),
         "d": ([f"--model.target={other}"], "hidden_size 128 \\(dataset\\) != 64 \\(target\\)"),
         "e": (["--model.draft_vocab_size=0"], "model.draft_vocab_size: 0"),
+        "f": (["--model.kind=eagle9"], "model.kind: 'eagle9' is not a choice; use one of \\["),
     }
     for name, (extra, expected) in cases.items():
         data = tmp_path / "missing" if name == "a" else tiny_dataset

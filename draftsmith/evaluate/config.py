@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from draftsmith.core.engine import EngineOptions
 from draftsmith.core.errors import ConfigError
@@ -35,6 +35,10 @@ class EvalConfig:
     """Sampling temperatures; the lossless check uses the greedy (0.0) runs."""
     max_tokens: int = 256
     """Longest reply, in tokens."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the target's chat template, as in extract (e.g.
+    {enable_thinking: false} for Qwen3): offline they render the prompts, online they go
+    in each request, as a chat client sends them."""
     concurrency: int = 1
     """Requests in flight at once (offline: vLLM's max_num_seqs); report it beside speeds."""
     baselines: list[Literal["none", "ngram", "suffix"]] = field(

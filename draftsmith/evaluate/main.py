@@ -42,7 +42,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
             msgs.append(conv.messages[: first_user + 1])
         ids[spec] = [c.id for c in convs]
         chats[spec] = msgs
-        tokens[spec] = [render_prompt(tokenizer, m) for m in msgs]
+        tokens[spec] = [render_prompt(tokenizer, m, kwargs=cfg.chat_template_kwargs) for m in msgs]
     return ids, chats, tokens
 
 

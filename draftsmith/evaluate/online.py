@@ -28,7 +28,11 @@ def server_runs(
     with vllm_server(model, args, method.speculative_config(cfg), log_path=log) as server:
 
         def generate(messages, temperature):
-            replies = server.complete(messages, cfg.max_tokens, temperature, cfg.concurrency)
+            extra = {"chat_template_kwargs": cfg.chat_template_kwargs}
+            replies = server.complete(
+                messages, cfg.max_tokens, temperature, cfg.concurrency,
+                extra_body=extra if cfg.chat_template_kwargs else None,
+            )  # fmt: skip
             tokens = [r["token_ids"] or [] for r in replies]
             return tokens, sum(r["completion_tokens"] or 0 for r in replies), replies.seconds
 

@@ -59,7 +59,9 @@ def check_loopback(host: str) -> None:
     except ValueError:
         loopback = False
     if not loopback:
-        raise ConfigError(f"host {host!r}: the evaluation server listens on loopback only; use 127.0.0.1.")
+        raise ConfigError(
+            f"host {host!r}: the evaluation server listens on loopback only; use 127.0.0.1."
+        )
 
 
 def cli_flags(engine_args: dict) -> list[str]:
@@ -77,7 +79,8 @@ def cli_flags(engine_args: dict) -> list[str]:
         if key == "disable_log_stats":
             if value:
                 raise ConfigError(
-                    "engine.disable_log_stats: true would hide the spec-decode counters; leave it false."
+                    "engine.disable_log_stats: true would hide the spec-decode counters; "
+                    "leave it false."
                 )
             continue
         flag = "--" + key.replace("_", "-")

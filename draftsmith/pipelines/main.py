@@ -4,9 +4,10 @@
     draftsmith pipeline --config configs/pipelines/smollm2.yaml --output outputs/run1
     draftsmith pipeline --config configs/pipelines/smollm2.yaml --dry_run true
 
-Each section is the config of its stage, as in ``configs/<stage>/``: the pipeline writes it
-to ``<stage dir>/stage.yaml`` and calls that stage's ``main`` on it, filling in the paths
-that chain the stages. Stage directories are content-addressed,
+Each section is the config of its stage, as in ``configs/<stage>/``: the pipeline fills in
+the paths that chain the stages, parses the section once with the stage's own parser and
+hands the stage that typed config in memory (``<stage dir>/stage.yaml`` is written for the
+record, never read back). Stage directories are content-addressed,
 ``<output>/<stage>-<hash>``, the hash covering the section, the model and the upstream
 stage's hash: a stage reruns only when its inputs or config changed, and a finished stage
 (``.done.json``) is skipped. Interrupted stages resume: extract from its finished shards,
@@ -27,6 +28,7 @@ import dataclasses
 import importlib
 import io
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -97,14 +99,26 @@ def dry_run(plan: Plan) -> None:
         if stage == "train":
             from draftsmith.train.main import run_stage as train_stage
 
-            quiet = io.StringIO()  # Lightning's seeding and banner lines
-            with _named(stage), contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(
-                quiet
-            ):
+            with _named(stage), _quiet_lightning():
                 train_stage(fit(section), dry_run=True)
         else:
             stage_config(stage, section)
         say(f"{stage:8s} ok  -> {plan.dirs[stage]}")
+
+
+@contextlib.contextmanager
+def _quiet_lightning():
+    """Keep Lightning's seeding and banner lines out of a dry run's output."""
+    loggers = [logging.getLogger(name) for name in ("lightning.fabric", "lightning.pytorch")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
