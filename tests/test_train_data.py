@@ -209,6 +209,14 @@ def test_val_split_is_disjoint_and_deterministic(dataset):
     assert split_samples(100, 0.1, 3) != split_samples(100, 0.1, 4)
     assert split_samples(1, 0.5, 0) == ([0], [])
     assert split_samples(10, 0.0, 0) == (list(range(10)), [])
+    # Per-turn samples of one conversation stay together on one side of the split.
+    ids = [f"chat:{c}#{t}" for c in range(10) for t in range(3)] + ["plain:1", "plain:2"]
+    train, val = split_samples(len(ids), 0.2, seed=3, ids=ids)
+    assert sorted(train + val) == list(range(len(ids)))
+    conv = {ids[i].partition("#")[0] for i in val}
+    assert len(conv) == 2  # 0.2 of the 12 conversations, each with all its samples
+    assert not conv & {ids[i].partition("#")[0] for i in train}
+    assert sum(ids[i].startswith(tuple(conv)) for i in val) == len(val)
     dm = EagleDataModule(str(path), row_tokens=16, val_fraction=0.25, num_workers=0, seed=1)
     assert len(dm.val_indices) == 3
     val_rows = dm.val_dataloader().dataset.rows

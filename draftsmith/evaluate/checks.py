@@ -42,6 +42,23 @@ def tensor_shapes(path: Path) -> dict[str, list[int]]:
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
+def head_method(head: str) -> str:
+    """The vLLM method a head directory is served with, from its config's architecture."""
+    config_file = Path(head) / "config.json"
+    if not config_file.is_file():
+        raise HeadError(
+            f"head: {head} has no config.json; give a directory written by `draftsmith export`."
+        )
+    arch = (json.loads(config_file.read_text()).get("architectures") or ["?"])[0]
+    found = [m for m, archs in ARCHITECTURES.items() if arch in archs]
+    if not found:
+        raise HeadError(
+            f"head: {head} is a {arch}, which no method serves; give --method and a head "
+            f"exported for vLLM ({', '.join(sorted(ARCHITECTURES))})."
+        )
+    return found[0]
+
+
 def check_head(head: str, method: str, target: TargetInfo) -> dict:
     """Validate a head directory against `target`; return the head's config."""
     if method not in ARCHITECTURES:

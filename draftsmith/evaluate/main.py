@@ -23,7 +23,7 @@ from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
 from draftsmith.core.errors import exit_code
 from draftsmith.core.targets import read_target
-from draftsmith.evaluate.checks import HeadError, check_head, check_k
+from draftsmith.evaluate.checks import HeadError, check_head, check_k, head_method
 from draftsmith.evaluate.config import EvalConfig
 
 
@@ -71,6 +71,8 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     if cfg.concurrency < 1:
         raise HeadError(f"concurrency: {cfg.concurrency}; give at least 1.")
     target = read_target(cfg.model)
+    if cfg.head and cfg.method is None:
+        cfg = dataclasses.replace(cfg, method=head_method(cfg.head))
     head_config = check_head(cfg.head, cfg.method, target) if cfg.head else None
     if cfg.draft_model and not Path(cfg.draft_model, "config.json").is_file():
         raise HeadError(f"draft_model: {cfg.draft_model} is not a model directory.")

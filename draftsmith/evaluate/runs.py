@@ -41,7 +41,8 @@ class Method:
 def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
     """Every (method, k) engine this evaluation starts."""
     run_ks = [max(ks)] if cfg.derive_k else ks
-    names = [cfg.method] if cfg.head else []  # the heads first, then the free baselines
+    # The heads first (named by the head's config when not given), then the free baselines.
+    names = [cfg.method or "head"] if cfg.head else []
     if cfg.draft_model:
         names.append("draft_model")
     names += [b for b in cfg.baselines if b != "none"]

@@ -24,13 +24,13 @@ import torch
 from torch.utils.data import Dataset
 
 from draftsmith.core.errors import DatasetError
+from draftsmith.core.files import sha256_file
 from draftsmith.extract.shardfile import TensorSpec, read_header, read_rows
 from draftsmith.extract.store import (
     FORMAT,
     TORCH_STORAGE_DTYPES,
     decode_hidden,
 )
-from draftsmith.core.files import sha256_file
 
 FORMAT_VERSIONS = (1,)
 MAX_OPEN_SHARDS = 128  # memory maps kept per process; older ones are dropped (LRU)

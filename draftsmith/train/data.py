@@ -150,7 +150,9 @@ class EagleDataModule(pl.LightningDataModule):
         self.hidden_size: int = self.dataset.hidden_size
         self.vocab_size: int = int(self.manifest["target"]["vocab_size"])
         self.target_path: str = self.manifest["target"]["path"]
-        self.train_indices, self.val_indices = split_samples(len(self.dataset), val_fraction, seed)
+        self.train_indices, self.val_indices = split_samples(
+            len(self.dataset), val_fraction, seed, ids=self.dataset.ids
+        )
         self.val_dataset = self.dataset
         if val_data:
             self.val_dataset = open_dataset(val_data, dtype=DTYPES[dtype])

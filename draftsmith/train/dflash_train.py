@@ -192,19 +192,20 @@ def dflash_forward_loss(module: DraftModule, batch: dict[str, Tensor]) -> tuple[
 def merge(parts: list[TTTLoss], seen: Tensor, hit: Tensor) -> tuple[Tensor, TTTLoss]:
     """One (loss, TTTLoss) from the passes over chunks of anchors, each weighted by its
     scored slots; acceptance from the served walk's counts."""
-    counts = torch.stack([p.step_count for p in parts]).float()  # [n, K]
+    dev = parts[0].loss.device
+    counts = torch.stack([p.step_count for p in parts]).float().to(dev)  # [n, K]
     share = counts / counts.sum(0).clamp(min=1)
     total = counts.sum(1) / counts.sum().clamp(min=1)
-    step_loss = sum(p.step_loss.cpu() * w for p, w in zip(parts, share, strict=True))
-    step_accuracy = sum(p.step_accuracy.cpu() * w for p, w in zip(parts, share, strict=True))
+    step_loss = sum(p.step_loss * w for p, w in zip(parts, share, strict=True))
+    step_accuracy = sum(p.step_accuracy * w for p, w in zip(parts, share, strict=True))
     loss = sum(p.loss * float(w) for p, w in zip(parts, total, strict=True))
     out = TTTLoss(
         loss=loss,
         step_loss=step_loss,
         step_accuracy=step_accuracy,
         step_count=counts.sum(0).long(),
-        acceptance_length=acceptance_from_counts(seen, hit),
-        chain_seen=seen,
-        chain_hit=hit,
+        acceptance_length=acceptance_from_counts(seen, hit).to(dev),
+        chain_seen=seen.to(dev),
+        chain_hit=hit.to(dev),
     )
     return loss, out

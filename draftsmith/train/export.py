@@ -12,6 +12,7 @@ Sharded checkpoints (directories) are consolidated first: DeepSpeed ZeRO's, and 
 
 from __future__ import annotations
 
+import json
 import pickle
 import sys
 import tempfile
@@ -196,8 +197,18 @@ def main(args: list[str] | None = None) -> int:
 
 def run_stage(cfg: ExportConfig) -> int:
     out = export_checkpoint(cfg)
-    say(f"exported: {out}  (vllm serve {out}, or speculative_config model={out})")
+    say(f"exported: {out}  ({serve_hint(out)})")
     return 0
+
+
+def serve_hint(head_dir: Path) -> str:
+    """How vLLM serves the exported head: EAGLE heads name their target in their config
+    (``vllm serve DIR``); a DFlash drafter is given to the target's server."""
+    config = json.loads((Path(head_dir) / "config.json").read_text())
+    if config.get("architectures") != ["DFlashDraftModel"]:
+        return f"vllm serve {head_dir}, or speculative_config model={head_dir}"
+    spec = f'{{"method": "dflash", "model": "{head_dir}", "num_speculative_tokens": K}}'
+    return f"vllm serve TARGET --speculative-config '{spec}'"
 
 
 if __name__ == "__main__":

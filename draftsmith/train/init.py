@@ -94,6 +94,12 @@ def init_from_target(
     """
     layers = draft_layers(head)
     n = target.num_hidden_layers
+    act = target.text_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(
+            f"model.init_from_target: the target's MLPs use {act!r}, the head's use silu, so "
+            "copied MLP weights would compute something else; set model.init_from_target false"
+        )
     if len(layers) > n:
         raise ConfigError(
             f"model.init_from_target: the head has {len(layers)} layers, the target only {n}; "

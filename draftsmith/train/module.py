@@ -26,8 +26,8 @@ from torch import Tensor
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
-from draftsmith.extract import DatasetError
 from draftsmith.core.targets import TargetInfo, read_target, text_config
+from draftsmith.extract import DatasetError
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.dflash_train import build_dflash, dflash_forward_loss

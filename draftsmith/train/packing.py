@@ -65,17 +65,29 @@ def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -
     return rows
 
 
-def split_samples(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def split_samples(
+    n: int, val_fraction: float, seed: int, ids: list[str] | None = None
+) -> tuple[list[int], list[int]]:
     """(train, val) sample indices, each sorted: a seeded random ``val_fraction`` of ``n``
     for validation, at least 1 when ``n >= 2`` and ``val_fraction > 0``, never all unless
-    ``val_fraction`` is 1 (everything is validation: for ``validate`` on a whole dataset)."""
+    ``val_fraction`` is 1 (everything is validation: for ``validate`` on a whole dataset).
+
+    With the samples' ``ids``, whole conversations are split: the per-turn samples of one
+    conversation (``<conversation>#<turn>``, which share its prefix) land on one side."""
     if not 0.0 <= val_fraction <= 1.0:
         raise ConfigError(f"data.val_fraction: {val_fraction}; give a share in [0, 1]")
     if val_fraction == 1.0:
         return [], list(range(n))
-    n_val = min(n - 1, max(1, round(n * val_fraction))) if n >= 2 and val_fraction > 0 else 0
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(perm[n_val:]), sorted(perm[:n_val])
+    groups: dict[str, list[int]] = {}
+    for i in range(n):
+        key = ids[i].partition("#")[0] if ids is not None else str(i)
+        groups.setdefault(key, []).append(i)
+    members = list(groups.values())
+    g = len(members)
+    n_val = min(g - 1, max(1, round(g * val_fraction))) if g >= 2 and val_fraction > 0 else 0
+    perm = torch.randperm(g, generator=torch.Generator().manual_seed(seed)).tolist()
+    train = sorted(i for k in perm[n_val:] for i in members[k])
+    return train, sorted(i for k in perm[:n_val] for i in members[k])
 
 
 def teacher_layer_id(manifest: dict[str, Any], where: object = "the dataset") -> int:
