@@ -1,8 +1,9 @@
-"""Shared fixtures: the embedded SmolLM2 target and one tiny random Llama built from it.
+"""Shared fixtures: the embedded SmolLM2 target and tiny random targets built from it.
 
-The tiny model reuses SmolLM2's tokenizer and chat template (real BPE, real template)
-with random weights small enough that a vLLM engine on 2 CPU cores starts quickly.
-Its head_dim is 64 because vLLM's CPU attention rejects smaller heads.
+The tiny Llama reuses SmolLM2's tokenizer and chat template (real BPE, real template)
+with random weights small enough that a vLLM engine on 2 CPU cores starts quickly; the
+same builder makes the other model families (FAMILIES) with their own templates.
+Head dims are 64 because vLLM's CPU attention rejects smaller heads.
 """
 
 from __future__ import annotations

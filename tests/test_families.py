@@ -39,6 +39,9 @@ TOLERANCE = 0.35
 TINY = Path(__file__).resolve().parents[1] / "configs" / "pipelines" / "tiny.yaml"
 TOPICS = ["rivers", "bread", "chess", "comets", "tea", "bridges", "owls", "glass"]
 PER_TURN = {"qwen3", "qwen3_moe", "gpt_oss"}  # templates that re-render earlier replies
+# Template variables given to extract and eval alike: qwen3_moe is served with thinking off
+# (each prompt ends with an empty <think> block the history then drops), qwen3 with it on.
+TEMPLATE_KWARGS = {"qwen3_moe": {"enable_thinking": False}}
 
 
 def write_data(root: Path) -> tuple[Path, Path]:
@@ -88,7 +91,10 @@ def family_run(request, tmp_path_factory, make_tiny_target) -> dict:
     convs, prompts = write_data(root)
     cfg = yaml.safe_load(TINY.read_text())
     cfg.update(model=str(target), output=str(root / "run"), validation={"data": str(prompts)})
-    cfg["extract"].update(data=[str(convs)], max_new_tokens=24, samples_per_shard=32)
+    kwargs = TEMPLATE_KWARGS.get(family, {})
+    cfg["extract"].update(
+        data=[str(convs)], max_new_tokens=24, samples_per_shard=32, chat_template_kwargs=kwargs
+    )
     # Ten short epochs, validated once at the end: the head's drafts are accepted well
     # before it converges (the checks compare, they need no high acceptance).
     cfg["train"]["trainer"].update(
@@ -101,6 +107,7 @@ def family_run(request, tmp_path_factory, make_tiny_target) -> dict:
     cfg["export"]["num_speculative_tokens"] = K
     # Served on the prompts it trained on, on purpose: the overlap guard is off.
     cfg["eval"].update(datasets=[str(prompts)], k=[K], max_tokens=24, overlap_threshold=1.1)
+    cfg["eval"]["chat_template_kwargs"] = kwargs
     config = root / "pipeline.yaml"
     config.write_text(yaml.safe_dump(cfg))
     code = pipeline_main([f"--config={config}"])

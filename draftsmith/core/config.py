@@ -67,19 +67,18 @@ def parse_errors() -> Iterator[None]:
         raise ConfigError(one_line(str(err))) from err
 
 
-_CHOICE = re.compile(
-    r'Parser key "(?P<key>[^"]+)":\s*Expected a typing\.Literal\[(?P<allowed>.*?)\]\. '
-    r"Got value: (?P<value>.*)",
-    re.S,
-)
+_KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
+_LITERAL = re.compile(r"typing\.Literal\[(?P<allowed>[^\]]*)\]")
+_VALUE = re.compile(r"(?:Got value|Given value): (?P<value>[^\n]*)")
 
 
 def one_line(message: str) -> str:
-    """A parser's error as one line; an invalid choice names the allowed values."""
-    found = _CHOICE.search(message)
-    if found:
-        key, value = found["key"], found["value"].strip().splitlines()[0]
-        return f"{key}: {value!r} is not a choice; use one of [{found['allowed']}]"
+    """A parser's error as one line; an invalid choice (a Literal, optional or not) names
+    the allowed values."""
+    key, allowed, value = (r.search(message) for r in (_KEY, _LITERAL, _VALUE))
+    if key and allowed and value:
+        return (f"{key['key']}: {value['value'].strip()!r} is not a choice; use one of "
+                f"[{allowed['allowed']}]")  # fmt: skip
     return " ".join(message.split())
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.train.dflash import DFlashDrafter
-from draftsmith.train.headdir import _section, rope_fields
+from draftsmith.train.headdir import card_text, rope_fields, section
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -158,15 +158,9 @@ def model_card(
     spec = json.dumps({"method": "dflash", "model": str(out_dir), "num_speculative_tokens": k})
     parts = [
         f"# DFlash drafter for `{target}`",
-        _section(facts),
+        section(facts),
         "## Use it",
         f"vLLM drafts `num_speculative_tokens` slots per block (trained with {k}):",
         f"```bash\nvllm serve {target} --speculative-config '{spec}'\n```",
-        "From Python:",
-        "```python\nfrom vllm import LLM, SamplingParams\n\n"
-        f"llm = LLM(model={target!r}, speculative_config={spec})\n"
-        'print(llm.generate(["Hello"], SamplingParams(max_tokens=64))[0].outputs[0].text)\n```',
     ]
-    for name, value in card.items():
-        parts += [f"## {name.replace('_', ' ').capitalize()}", _section(value)]
-    return "\n\n".join(parts) + "\n"
+    return card_text(parts, target, spec, card)

@@ -25,9 +25,8 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.console import say
-from draftsmith.core.errors import ConfigError
+from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.extract import DatasetError
 from draftsmith.train.acceptance import acceptance_from_counts
 from draftsmith.train.data import EagleDataModule, token_counts
 from draftsmith.train.dflash import dflash_from_target

@@ -226,7 +226,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _section(value: Any) -> str:
+def section(value: Any) -> str:
     """A card value as markdown: dicts as key/value tables, lists of dicts as tables."""
     if isinstance(value, dict):
         rows = [f"| `{k}` | {_cell(v)} |" for k, v in _flatten(value).items()]
@@ -260,7 +260,7 @@ def model_card(config: dict[str, Any], kind: str, out_dir: Path, card: dict[str,
     title = "EAGLE-3" if kind == "eagle3" else "EAGLE-1"
     parts = [
         f"# {title} draft head for `{target}`",
-        _section(facts),
+        section(facts),
         "## Use it",
         f"The config names the verifier and k = {k}, so the head directory alone serves both "
         f'(clients then send `"model": "{out_dir}"`, or set `--served-model-name`):',
@@ -269,11 +269,20 @@ def model_card(config: dict[str, Any], kind: str, out_dir: Path, card: dict[str,
         f"`python -m vllm.entrypoints.openai.api_server --model {out_dir}` starts the same "
         "server. Or name the target and the head explicitly:",
         f"```bash\nvllm serve {target} --speculative-config '{spec_arg}'\n```",
+    ]
+    return card_text(parts, target, spec_arg, card)
+
+
+def card_text(parts: list[str], target: str, spec: str, card: dict[str, Any]) -> str:
+    """A model card: its head ``parts``, the Python use, then one section per ``card`` entry
+    (training data, config, metrics)."""
+    parts = [
+        *parts,
         "From Python:",
         "```python\nfrom vllm import LLM, SamplingParams\n\n"
-        f"llm = LLM(model={target!r}, speculative_config={spec_arg})\n"
+        f"llm = LLM(model={target!r}, speculative_config={spec})\n"
         'print(llm.generate(["Hello"], SamplingParams(max_tokens=64))[0].outputs[0].text)\n```',
     ]
     for name, value in card.items():
-        parts += [f"## {name.replace('_', ' ').capitalize()}", _section(value)]
+        parts += [f"## {name.replace('_', ' ').capitalize()}", section(value)]
     return "\n\n".join(parts) + "\n"

@@ -25,9 +25,8 @@ from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 
 from draftsmith.core.console import say
-from draftsmith.core.errors import ConfigError
+from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, read_target, text_config
-from draftsmith.extract import DatasetError
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.dflash_train import build_dflash, dflash_forward_loss
