@@ -41,7 +41,9 @@ def main(args: list[str] | None = None) -> int:
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:
-        print(f"draftsmith: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        choices = ", ".join(COMMANDS)
+        print(f"draftsmith: error: unknown command {name!r}; use one of: {choices} "
+              "(`draftsmith --help` says what each does)", file=sys.stderr)  # fmt: skip
         return 2
     stage_main = COMMANDS[name].main()
     if from_argv:  # the stage reads sys.argv itself (LightningCLI insists on one source)

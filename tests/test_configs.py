@@ -68,7 +68,8 @@ def test_cli_lists_stages_and_rejects_unknown(capsys):
     assert cli_main([]) == 0
     assert "extract" in capsys.readouterr().out
     assert cli_main(["nope"]) == 2
-    assert "unknown command 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert "unknown command 'nope'; use one of: extract, train" in err and "\n" not in err
 
 
 def test_help_shows_field_docs(capsys):

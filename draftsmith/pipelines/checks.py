@@ -13,21 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import TargetError, read_target, validate_layer_ids
+from draftsmith.core.targets import EMBEDDED, read_target, validate_layer_ids
 from draftsmith.pipelines.config import PipelineConfig, PipelineError
 
 
 def check_against_target(cfg: PipelineConfig) -> list[str]:
     """Lines saying what was checked; raises :class:`PipelineError` on the first problem.
 
-    A target whose config cannot be read here (a hub id without network) is reported as
-    unchecked, not as an error: the run itself reads it again."""
-    try:
-        target = read_target(cfg.model)
-    except TargetError as err:
-        if Path(cfg.model).expanduser().exists():  # a local directory that is broken
-            raise
-        return [f"target   unchecked: {err}"]
+    A hub id is reported as unchecked, not fetched: a dry run reaches no network, and the
+    run itself reads the target's config before any engine starts."""
+    local = Path(cfg.model).expanduser().exists() or cfg.model.lower() in EMBEDDED
+    if not local:  # a hub id: a dry run reaches no network; the run reads its config
+        return [f"target   unchecked: {cfg.model} is a hub id (the run checks its config.json)"]
+    target = read_target(cfg.model)
     if not cfg.data and (refusal := target.eagle3_refusal):
         raise PipelineError(
             f"model: {target.architecture} cannot be tapped: {refusal}; draftsmith trains "

@@ -129,7 +129,7 @@ class Plan:
             section = {**cfg.extract, "model": cfg.model, "output": str(d)}
             if cfg.time_budget:
                 left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
-                section["time_limit"] = max(left, 1.0)
+                section["time_limit"] = max(left, 0.01)  # at least one shard: training needs data
         elif stage == "train":
             section = merge(
                 cfg.train,
