@@ -123,8 +123,13 @@ def make_results() -> dict:
         "vllm_version": "0.32.0",
         "device": "cpu (2 cores)",
         "created": "2026-11-23T02:00:00Z",
-        "config": {"model": "smollm2-135m", "k": [1, 2, 3], "mode": "offline", "concurrency": 1,
-                   "max_tokens": 256},  # fmt: skip
+        "config": {
+            "model": "smollm2-135m",
+            "k": [1, 2, 3],
+            "mode": "offline",
+            "concurrency": 1,
+            "max_tokens": 256,
+        },  # fmt: skip
         "target": {"path": "/models/smollm2-135m", "architecture": "LlamaForCausalLM"},
         "head": {"path": "/heads/smollm2-eagle3", "method": "eagle3"},
         "runs": runs,
