@@ -1,5 +1,7 @@
 """``model.kind: dflash`` inside ``DraftModule``: building the drafter and its objective.
 
+The functions take the ``DraftModule`` (typed as a LightningModule: this module is below it).
+
 ``DraftModule`` dispatches here (``setup`` -> ``build_dflash``, ``forward_loss`` ->
 ``dflash_forward_loss``); the drafter is ``dflash.DFlashDrafter``, the blocks, mask and loss
 are ``dflash_blocks``.
@@ -19,9 +21,8 @@ non-zero (a zero row would make every mask slot's query zero, blind to its posit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from draftsmith.core.console import say
@@ -43,9 +44,6 @@ from draftsmith.train.dflash_blocks import (
 )
 from draftsmith.train.loss import TTTLoss
 from draftsmith.train.weights import load_target_weights
-
-if TYPE_CHECKING:
-    from draftsmith.train.module import DraftModule
 
 
 def target_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
@@ -90,7 +88,7 @@ def choose_mask_token(
     return int(unused[-1] if unused.numel() else counts.argmin()), False
 
 
-def build_dflash(module: DraftModule, target: TargetInfo, dm: EagleDataModule) -> None:
+def build_dflash(module: LightningModule, target: TargetInfo, dm: EagleDataModule) -> None:
     """Build the drafter for ``target`` and the frozen target tensors it shares."""
     hp = module.hparams
     if hp.init_from_target:
@@ -142,7 +140,11 @@ def build_dflash(module: DraftModule, target: TargetInfo, dm: EagleDataModule) -
 
 
 def run_blocks(
-    module: DraftModule, batch: dict[str, Tensor], teacher: Tensor, anchors: Tensor, keep: Tensor
+    module: LightningModule,
+    batch: dict[str, Tensor],
+    teacher: Tensor,
+    anchors: Tensor,
+    keep: Tensor,
 ) -> tuple[TTTLoss, Tensor]:
     """Blocks at ``anchors`` [B, A] (``keep``), one drafter pass, the weighted loss;
     returns ``dflash_blocks.block_loss``'s (TTTLoss, correct [B, A, bs - 1])."""
@@ -160,7 +162,9 @@ def run_blocks(
     )
 
 
-def dflash_forward_loss(module: DraftModule, batch: dict[str, Tensor]) -> tuple[Tensor, TTTLoss]:
+def dflash_forward_loss(
+    module: LightningModule, batch: dict[str, Tensor]
+) -> tuple[Tensor, TTTLoss]:
     """Training: ``num_anchors`` random blocks per row, one pass; the acceptance logged is the
     average over those anchors. Validation: a block at every candidate anchor (``num_anchors``
     per pass), and the acceptance of walking each response as vLLM does (``served_walk``):
