@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.train.dflash import DFlashDrafter
-from draftsmith.train.headdir import card_text, rope_fields, section
+from draftsmith.train.headdir import card_text, layer_fields, section
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -51,20 +51,8 @@ def dflash_config(
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
-        "hidden_size": k["hidden_size"],
-        "intermediate_size": k["intermediate_size"],
-        "num_attention_heads": k["num_heads"],
-        "num_key_value_heads": k["num_kv_heads"] or k["num_heads"],
-        "head_dim": head.head_dim,
-        "num_hidden_layers": k["num_layers"],
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "rms_norm_eps": k["rms_norm_eps"],
-        **rope_fields(k["rope_theta"], k["rope_scaling"]),
-        "max_position_embeddings": text.get("max_position_embeddings", 2048),
-        "vocab_size": k["vocab_size"],
+        **layer_fields(head, text.get("max_position_embeddings", 2048), attention_bias=False),
         "target_hidden_size": k["target_hidden_size"] or k["hidden_size"],
-        "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "dflash_config": {
             "mask_token_id": head.mask_token_id,

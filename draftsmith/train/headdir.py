@@ -65,6 +65,27 @@ def rope_fields(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
     return {"rope_parameters": params, "rope_theta": theta, **legacy, **mirrors}
 
 
+def layer_fields(head: nn.Module, max_position: int, attention_bias: bool) -> dict[str, Any]:
+    """The decoder-layer facts vLLM reads from any draft's ``config.json`` (EAGLE and
+    DFlash alike): sizes, heads, norm, rope and the vocabulary."""
+    k = head.init_kwargs
+    return {
+        "hidden_size": k["hidden_size"],
+        "intermediate_size": k["intermediate_size"],
+        "num_attention_heads": k["num_heads"],
+        "num_key_value_heads": k["num_kv_heads"] or k["num_heads"],
+        "head_dim": head.head_dim,
+        "num_hidden_layers": k["num_layers"],
+        "hidden_act": "silu",
+        "attention_bias": attention_bias,
+        "rms_norm_eps": k["rms_norm_eps"],
+        **rope_fields(k["rope_theta"], k["rope_scaling"]),
+        "max_position_embeddings": max_position,
+        "vocab_size": k["vocab_size"],
+        "tie_word_embeddings": False,
+    }
+
+
 def head_layer_ids(
     head: nn.Module, kind: str, target_config: dict[str, Any], layer_ids: list[int] | None
 ) -> list[int] | None:
@@ -115,20 +136,8 @@ def head_config(
         )
     layer: dict[str, Any] = {
         "model_type": "llama",
-        "hidden_size": k["hidden_size"],
-        "intermediate_size": k["intermediate_size"],
-        "num_attention_heads": k["num_heads"],
-        "num_key_value_heads": k["num_kv_heads"] or k["num_heads"],
-        "head_dim": head.head_dim,
-        "num_hidden_layers": k["num_layers"],
-        "hidden_act": "silu",
-        "attention_bias": k["attention_bias"],
+        **layer_fields(head, max_position, attention_bias=k["attention_bias"]),
         "mlp_bias": False,
-        "rms_norm_eps": k["rms_norm_eps"],
-        **rope_fields(k["rope_theta"], k["rope_scaling"]),
-        "max_position_embeddings": max_position,
-        "vocab_size": k["vocab_size"],
-        "tie_word_embeddings": False,
     }
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]],
