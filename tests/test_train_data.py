@@ -172,11 +172,13 @@ def test_aux_layers_choose_and_order_layers(dataset):
             PackedDataset(ds, rows, 12, aux_layers=bad)
 
 
-def test_long_samples_are_truncated_and_counted(tmp_path):
+def test_long_samples_are_truncated_and_counted(tmp_path, capsys):
     samples = write_dataset(tmp_path, [[20, 4, 11]])
-    with pytest.warns(UserWarning, match="2 of 3 samples are longer than row_tokens=10"):
-        dm = EagleDataModule(str(tmp_path), row_tokens=10, val_fraction=0.0, num_workers=0)
-    assert dm.num_truncated == 2 and dm.val_dataloader() == []
+    dm = EagleDataModule(str(tmp_path), row_tokens=10, val_fraction=0.0, num_workers=0)
+    said = capsys.readouterr().out
+    assert "2 of 3 samples are longer than data.row_tokens=10" in said
+    assert "11 of 35 tokens" in said and "data.row_tokens to 20" in said
+    assert dm.num_truncated == 2 and dm.tokens_cut == 11 and dm.val_dataloader() == []
     loader = dm.train_dataloader()
     for item, row in zip(loader.dataset, loader.dataset.rows, strict=True):
         check_row(item, row, samples, 10, [2, 4, 5])

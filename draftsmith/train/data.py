@@ -6,7 +6,6 @@ convention (``input_ids``, ``aux_states``, ``teacher_states``, ``position_ids``,
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -15,6 +14,7 @@ from safetensors import safe_open
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.extract import DatasetError, HiddenStatesDataset, open_dataset
@@ -173,12 +173,15 @@ class EagleDataModule(pl.LightningDataModule):
                     "for every sample"
                 )
             self.train_indices = self.train_indices[:max_train_samples]
-        self.num_truncated = sum(n > row_tokens for n in self.dataset.lengths)
-        if self.num_truncated:
-            warnings.warn(
-                f"{data}: {self.num_truncated} of {len(self.dataset)} samples are longer than "
-                f"row_tokens={row_tokens} and are truncated to it",
-                stacklevel=2,
+        lengths = self.dataset.lengths
+        self.num_truncated = sum(n > row_tokens for n in lengths)
+        self.tokens_cut = sum(max(n - row_tokens, 0) for n in lengths)
+        if self.num_truncated:  # said, not warned: the pipeline sends warnings to its log
+            say(
+                f"train: {data}: {self.num_truncated} of {len(lengths)} samples are longer than "
+                f"data.row_tokens={row_tokens}; their tails, {self.tokens_cut:,} of "
+                f"{sum(lengths):,} tokens, are not trained on. Set data.row_tokens to "
+                f"{max(lengths)} (the longest sample) to keep them"
             )
 
     def check_target(self, target: TargetInfo) -> None:
