@@ -19,6 +19,9 @@ ARCHITECTURES = {
     "eagle": ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle"),
     "dflash": ("DFlashDraftModel",),
 }
+ARCHITECTURES["peagle"] = ARCHITECTURES["eagle3"]  # EAGLE-3 drafting in parallel: the config
+# says so with speculators_model_type "peagle" (``head_method``)
+HEAD_METHODS = tuple(ARCHITECTURES)  # the methods that serve a trained head
 MAX_K = 16
 
 
@@ -49,7 +52,10 @@ def head_method(head: str) -> str:
         raise HeadError(
             f"head: {head} has no config.json; give a directory written by `draftsmith export`."
         )
-    arch = (json.loads(config_file.read_text()).get("architectures") or ["?"])[0]
+    config = json.loads(config_file.read_text())
+    arch = (config.get("architectures") or ["?"])[0]
+    if config.get("speculators_model_type") == "peagle":
+        return "peagle"
     found = [m for m, archs in ARCHITECTURES.items() if arch in archs]
     if not found:
         raise HeadError(
@@ -92,8 +98,13 @@ def check_head(head: str, method: str, target: TargetInfo) -> dict:
     shapes = {}
     for file in weights:
         shapes.update(tensor_shapes(file))
-    if method == "eagle3":
+    if method in ("eagle3", "peagle"):
         _check_eagle3(head, config, shapes, target)
+    if method == "peagle" and ("mask_hidden" not in shapes or config.get("mask_token_id") is None):
+        raise HeadError(
+            f"head: {head} drafts in parallel only with a mask_token_id in config.json and a "
+            "mask_hidden tensor; export a head trained with model.parallel_drafting true."
+        )
     if method == "dflash":
         _check_dflash(head, config, shapes, target)
     return config

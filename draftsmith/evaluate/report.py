@@ -16,7 +16,7 @@ from pathlib import Path
 from draftsmith.evaluate.plots import write_plots
 
 DASH = "–"
-ORDER = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3", "dflash")
+ORDER = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3", "peagle", "dflash")
 COLUMNS = ("method", "k", "acceptance length", "tokens/step", "per-position acceptance")
 COLUMNS += ("output tok/s", "speedup vs none", "speedup vs ngram", "lossless")
 NUMBERS = ("acceptance_length", "tokens_per_step", "output_tok_s")

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.evaluate.checks import HEAD_METHODS
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tokens_per_step
 
 
 @dataclass(frozen=True)
 class Method:
-    """One way to decode: `name` is none, ngram, suffix, draft_model, eagle3, eagle or dflash."""
+    """One way to decode: `name` is none, ngram, suffix, draft_model, or a head's method
+    (eagle3, eagle, dflash, peagle)."""
 
     name: str
     k: int | None = None
@@ -31,8 +33,10 @@ class Method:
         spec: dict = {"method": self.name, "num_speculative_tokens": self.k}
         if self.name == "ngram":
             spec["prompt_lookup_min"], spec["prompt_lookup_max"] = cfg.ngram_lookup
-        elif self.name in ("eagle3", "eagle", "dflash"):
+        elif self.name in HEAD_METHODS:
             spec["model"] = cfg.head
+            if self.name == "peagle":  # P-EAGLE is vLLM's eagle3 drafting in parallel
+                spec.update(method="eagle3", parallel_drafting=True)
         elif self.name == "draft_model":
             spec["model"] = cfg.draft_model
         return spec

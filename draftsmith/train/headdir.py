@@ -10,6 +10,11 @@ The directory holds ``config.json``, ``model.safetensors`` and a ``README.md`` m
   ``speculators_config.verifier.name_or_path`` with this head, so ``vllm serve <dir>`` works.
   Because the top-level ``model_type`` is ``llama``, vLLM builds the draft from the top-level
   fields; ``transformer_layer_config`` repeats them for readers of the speculators format.
+- A P-EAGLE head (an EAGLE-3 head trained with ``parallel_drafting``) is the same
+  ``Eagle3LlamaForCausalLM`` (vLLM prefixes any other name with ``Eagle3`` for method eagle3)
+  plus ``mask_token_id`` and ``mask_hidden`` [1, n_aux * H_target]; its
+  ``speculators_model_type: peagle`` makes ``vllm serve DIR`` draft with
+  ``method: eagle3, parallel_drafting: true``.
 - ``model.safetensors`` holds vLLM's checkpoint keys (no ``model.`` prefix), no
   ``embed_tokens`` (vLLM shares the target's), ``lm_head.weight`` for EAGLE-3 only (EAGLE-1
   uses the target's) and ``d2t`` only when the draft vocabulary is reduced (vLLM refuses a
@@ -139,6 +144,7 @@ def head_config(
         **layer_fields(head, max_position, attention_bias=k["attention_bias"]),
         "mlp_bias": False,
     }
+    parallel = bool(k.get("parallel_drafting"))
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]],
         **layer,
@@ -155,10 +161,13 @@ def head_config(
         config["fc_norm"] = bool(k["fc_norm"])
         config["eagle_aux_hidden_state_layer_ids"] = ids
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
-    config["speculators_model_type"] = kind
+    if parallel:
+        config["mask_token_id"] = k["mask_token_id"]
+    algorithm = "peagle" if parallel else kind
+    config["speculators_model_type"] = algorithm
     config["transformer_layer_config"] = layer
     config["speculators_config"] = {
-        "algorithm": kind,
+        "algorithm": algorithm,
         "default_proposal_method": "greedy",
         "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}
@@ -175,6 +184,8 @@ def head_tensors(head: nn.Module, kind: str, dtype: torch.dtype) -> dict[str, to
         if name in NEVER_EXPORTED or (kind == "eagle" and name == "lm_head"):
             continue
         value = value.detach().cpu()
+        if name == "mask_hidden":
+            value = value[None]  # [1, n_aux * H_target], as vLLM's buffer
         tensors[name] = (value.to(dtype) if value.is_floating_point() else value).contiguous()
     full_vocab = getattr(head, "draft_vocab_size", head.vocab_size) == head.vocab_size
     if full_vocab != ("d2t" not in tensors):
@@ -265,8 +276,11 @@ def model_card(config: dict[str, Any], kind: str, out_dir: Path, card: dict[str,
         "num_speculative_tokens (k)": k,
         "dtype": config["torch_dtype"],
     }
-    spec_arg = json.dumps({"method": kind, "model": str(out_dir), "num_speculative_tokens": k})
+    spec: dict[str, Any] = {"method": kind, "model": str(out_dir), "num_speculative_tokens": k}
     title = "EAGLE-3" if kind == "eagle3" else "EAGLE-1"
+    if config["speculators_model_type"] == "peagle":
+        spec["parallel_drafting"], title = True, "P-EAGLE (parallel-drafting EAGLE-3)"
+    spec_arg = json.dumps(spec)
     parts = [
         f"# {title} draft head for `{target}`",
         section(facts),

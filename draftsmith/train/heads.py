@@ -83,6 +83,10 @@ class Eagle3Head(_DraftHead):
     ``norm_before_fc`` one RMSNorm over the whole fused input, ``input_norm.weight``
     [n_aux * H_target]; ``fc_norm`` one RMSNorm per tapped state, ``fc_norm.{i}.weight``
     [H_target]. With both, vLLM applies ``input_norm`` first.
+
+    ``parallel_drafting`` (P-EAGLE, ``peagle.py``) adds ``mask_hidden`` [n_aux * H_target]: the
+    fused "target state" of the mask slots, which vLLM feeds through ``combine_hidden_states``
+    beside the embedding of ``mask_token_id`` to draft every position in one pass.
     """
 
     def __init__(
@@ -107,6 +111,8 @@ class Eagle3Head(_DraftHead):
         attention_bias: bool = False,
         norm_before_fc: bool = False,
         fc_norm: bool = False,
+        parallel_drafting: bool = False,
+        mask_token_id: int | None = None,
     ) -> None:
         super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         draft_vocab_size = draft_vocab_size or vocab_size
@@ -132,7 +138,13 @@ class Eagle3Head(_DraftHead):
         reduced = draft_vocab_size != vocab_size  # a full-vocab head must ship no d2t
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long), reduced)
         self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool), persistent=False)
+        if parallel_drafting and mask_token_id is None:
+            raise ConfigError("parallel drafting needs the mask slots' token: give mask_token_id")
+        self.mask_token_id = mask_token_id
+        self.mask_hidden = nn.Parameter(torch.zeros(fc_in)) if parallel_drafting else None
         _init_linears(self)
+        if self.mask_hidden is not None:
+            nn.init.normal_(self.mask_hidden, std=0.02)
 
     @property
     def logits_weight(self) -> Tensor:

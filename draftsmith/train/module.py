@@ -29,11 +29,12 @@ from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, read_target, text_config
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
-from draftsmith.train.dflash_train import build_dflash, dflash_forward_loss
+from draftsmith.train.dflash_train import build_dflash, choose_mask_token, dflash_forward_loss
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.init import init_from_target
 from draftsmith.train.loss import LossKind, objective_weights, teacher_argmax, ttt_loss
 from draftsmith.train.packing import PAD_DOC_ID
+from draftsmith.train.peagle import peagle_forward_loss
 from draftsmith.train.schedule import adamw_with_schedule
 from draftsmith.train.ttt import ttt_unroll
 from draftsmith.train.weights import load_target_weights
@@ -94,13 +95,17 @@ class DraftModule(pl.LightningModule):
             ``efficient`` (SDPA; O(T) per step) or ``dense`` (reference).
         block_size: DFlash: slots per block, the anchor plus ``block_size - 1`` drafts (serve
             with ``num_speculative_tokens`` = block_size - 1).
-        num_anchors: DFlash: blocks per packed row, anchored at random response tokens.
-        mask_token_id: DFlash: the mask slots' token id; null: a spare id past the tokenizer,
-            else one unused in the responses (``dflash_train.py``).
+        num_anchors: DFlash and P-EAGLE: blocks per packed row, anchored at random response
+            tokens.
+        mask_token_id: DFlash and P-EAGLE: the mask slots' token id; null: a spare id past
+            the tokenizer, else one unused in the responses (``dflash_train.py``).
         train_mask_embedding: DFlash: learn the mask slots' input vector (exported as
             ``mask_embedding.pt``); null: unless the mask id is spare with a non-zero row.
         loss_decay_gamma: DFlash: slot i >= 1 weighs ``exp(-(i - 1) / gamma)``; null: the
             paper's 7 / 5 / 4 for block sizes 16 / 10 / 8 and below.
+        parallel_drafting: EAGLE-3: train a P-EAGLE head that drafts all ``ttt_steps`` tokens
+            in one pass (vLLM's ``parallel_drafting``; ``peagle.py``), with ``num_anchors`` mask
+            blocks per row and the mask token chosen as for DFlash (``mask_token_id``).
     """
 
     def __init__(
@@ -131,6 +136,7 @@ class DraftModule(pl.LightningModule):
         mask_token_id: int | None = None,
         train_mask_embedding: bool | None = None,
         loss_decay_gamma: float | None = None,
+        parallel_drafting: bool = False,
     ) -> None:
         super().__init__()
         if ttt_steps < 1 or not 0 < loss_decay <= 1 or lr <= 0:
@@ -145,6 +151,11 @@ class DraftModule(pl.LightningModule):
                     f"model.{name}: normalises EAGLE-3's fused tapped states; set it false "
                     f"for model.kind {kind}"
                 )
+        if parallel_drafting and kind != "eagle3":
+            raise ConfigError(
+                f"model.parallel_drafting: P-EAGLE drafts with an EAGLE-3 head; set model.kind "
+                f"eagle3 (got {kind}) or parallel_drafting false"
+            )
         self.save_hyperparameters()
         self.head: torch.nn.Module | None = None
         self.info: dict[str, Any] = {}  # what export needs: saved in every checkpoint
@@ -165,7 +176,12 @@ class DraftModule(pl.LightningModule):
         if self.hparams.kind == "dflash":
             build_dflash(self, target, dm)
         else:
-            self.build(target, dm.aux_layer_ids, dm.teacher_layer_id)
+            mask_id = None
+            if self.hparams.parallel_drafting:
+                mask_id, spare = choose_mask_token(target, dm, self.hparams.mask_token_id)
+                how = "a spare id past the tokenizer" if spare else "an id unused in the responses"
+                say(f"train: P-EAGLE mask token {mask_id} ({how}), trained mask_hidden")
+            self.build(target, dm.aux_layer_ids, dm.teacher_layer_id, mask_id)
         if self.hparams.kind == "eagle3":
             counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
             ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(target.config))
@@ -185,8 +201,15 @@ class DraftModule(pl.LightningModule):
             "val_samples": len(dm.val_indices),
         }
 
-    def build(self, target: TargetInfo, aux_layer_ids: list[int], teacher_layer_id: int) -> None:
-        """Build the head for ``target`` and load the frozen target tensors it shares."""
+    def build(
+        self,
+        target: TargetInfo,
+        aux_layer_ids: list[int],
+        teacher_layer_id: int,
+        mask_token_id: int | None = None,
+    ) -> None:
+        """Build the head for ``target`` and load the frozen target tensors it shares
+        (``mask_token_id``: P-EAGLE's mask slots)."""
         kind = self.hparams.kind
         n = target.num_hidden_layers
         if kind == "eagle" and aux_layer_ids != [n]:
@@ -216,6 +239,8 @@ class DraftModule(pl.LightningModule):
                 size = vocab
             options.update(draft_vocab_size=size, num_aux_states=len(aux_layer_ids))
             options.update(norm_before_fc=hp.norm_before_fc, fc_norm=hp.fc_norm)
+            if hp.parallel_drafting:
+                options.update(parallel_drafting=True, mask_token_id=mask_token_id)
         head = from_target_config(target.config, kind, **options)
         weights = load_target_weights(target)
         head.set_embeddings(weights.embed)
@@ -271,6 +296,8 @@ class DraftModule(pl.LightningModule):
         """TTT unroll + loss; returns (total loss, ``TTTLoss``)."""
         if self.hparams.kind == "dflash":  # blocks of slots instead of steps
             return dflash_forward_loss(self, batch)
+        if self.hparams.parallel_drafting:  # P-EAGLE: one pass drafts every position
+            return peagle_forward_loss(self, batch, full_vocab_top1)
         hp, head = self.hparams, self.head
         teacher = self.teacher(batch)
         states = batch["aux_states"]
