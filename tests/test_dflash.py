@@ -258,3 +258,37 @@ def test_mask_token_is_a_spare_id_when_the_vocabulary_has_one(smollm2_dir):
     assert target_layer_ids([2, 4, 5], 8) == [1, 3, 4]
     with pytest.raises(Exception, match="data.aux_layers"):
         target_layer_ids([0, 4], 8)
+
+
+def test_loss_vocab_restricts_training_not_validation(tiny_dataset):
+    """``loss_vocab_size``: the training loss reads the most frequent ids' lm_head rows (EOS
+    kept); validation still judges drafts over the whole vocabulary; a bad size is one line."""
+    import lightning.pytorch as pl
+
+    from draftsmith.core.errors import ConfigError
+    from draftsmith.core.targets import eos_ids, read_target
+    from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+    from draftsmith.train.module import DraftModule
+
+    def fit(size: int) -> DraftModule:
+        dm = EagleDataModule(
+            data=str(tiny_dataset), row_tokens=256, batch_size=2, val_fraction=0.25, num_workers=0
+        )
+        model = DraftModule(kind="dflash", block_size=4, num_anchors=16, loss_vocab_size=size)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(model, dm)
+        return model
+
+    model = fit(64)
+    dm = model.trainer.datamodule
+    target = read_target(dm.target_path)
+    counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
+    kept = draft_vocab(counts, 64, eos_ids(target.config))
+    torch.testing.assert_close(model.loss_lm_head, model.target_lm_head[kept])
+    assert model.trainer.callback_metrics["val/acceptance_length"] >= 1.0
+    with pytest.raises(ConfigError, match="model.loss_vocab_size"):
+        fit(10**9)

@@ -218,6 +218,12 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
+def eos_ids(config: dict[str, Any]) -> list[int]:
+    """End-of-sequence ids of a target's ``config.json`` (a draft vocabulary always keeps them)."""
+    eos = text_config(config).get("eos_token_id", config.get("eos_token_id"))
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
 def read_target(model: str | None) -> TargetInfo:
     """Resolve `model` and read its facts; hub ids are read through transformers."""
     path = resolve_model(model)

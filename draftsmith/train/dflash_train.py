@@ -27,9 +27,9 @@ from torch import Tensor
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
-from draftsmith.core.targets import TargetInfo
+from draftsmith.core.targets import TargetInfo, eos_ids
 from draftsmith.train.acceptance import acceptance_from_counts
-from draftsmith.train.data import EagleDataModule, token_counts
+from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.dflash import dflash_from_target
 from draftsmith.train.dflash_blocks import (
     accepted_lengths,
@@ -124,6 +124,20 @@ def build_dflash(module: LightningModule, target: TargetInfo, dm: EagleDataModul
     module.norm_eps = weights.norm_eps
     module.register_buffer("target_lm_head", weights.lm_head, persistent=False)
     module.register_buffer("target_norm", weights.norm, persistent=False)
+    if hp.loss_vocab_size is None:
+        module.loss_lm_head = None
+    else:
+        if not 0 < hp.loss_vocab_size <= target.vocab_size:
+            raise ConfigError(
+                f"model.loss_vocab_size: {hp.loss_vocab_size}; give 1..{target.vocab_size} "
+                "(the target's vocabulary) or null for all of it"
+            )
+        counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
+        kept = draft_vocab(counts, hp.loss_vocab_size, eos_ids(target.config))
+        covered = counts[kept].sum().item() / max(counts.sum().item(), 1)
+        module.register_buffer("loss_lm_head", weights.lm_head[kept], persistent=False)
+        say(f"train: DFlash loss over the {kept.numel():,} most frequent ids ({covered:.2%} "
+            "of the loss tokens); drafting and validation over all ids")  # fmt: skip
     module.head = head
     kind = "spare id past the tokenizer" if spare else "an id unused in the responses"
     kind = "model.mask_token_id" if hp.mask_token_id is not None else kind
@@ -157,9 +171,10 @@ def run_blocks(
     drafts = head(ids, positions, batch["aux_states"], batch["position_ids"], mask)
     valid, target = slot_validity(anchors, keep, batch["loss_mask"], batch["doc_ids"], bs)
     gamma = hp.loss_decay_gamma or default_gamma(bs)
-    return block_loss(
-        drafts, module.target_lm_head, teacher, valid, target, gamma, hp.loss_chunk_size
-    )
+    lm_head = module.target_lm_head  # validation judges drafts over every id, as vLLM does
+    if module.training and module.loss_lm_head is not None:
+        lm_head = module.loss_lm_head  # draft and teacher restricted to the loss vocabulary
+    return block_loss(drafts, lm_head, teacher, valid, target, gamma, hp.loss_chunk_size)
 
 
 def dflash_forward_loss(

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
-from draftsmith.core.targets import TargetInfo, read_target, text_config
+from draftsmith.core.targets import TargetInfo, eos_ids, read_target
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.dflash_train import build_dflash, choose_mask_token, dflash_forward_loss
@@ -45,13 +45,6 @@ CHECKPOINT_KEY = "draftsmith"
 def default_draft_vocab_size(vocab_size: int) -> int:
     """Full vocabulary up to 32k ids; 32k above (Llama-3's 128k, Qwen's 151k)."""
     return min(vocab_size, 32_000)
-
-
-def eos_ids(target_config: dict[str, Any]) -> list[int]:
-    """End-of-sequence ids from the target's config (always kept in the draft vocabulary)."""
-    text = text_config(target_config)
-    eos = text.get("eos_token_id", target_config.get("eos_token_id"))
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 class DraftModule(pl.LightningModule):
@@ -106,6 +99,9 @@ class DraftModule(pl.LightningModule):
         parallel_drafting: EAGLE-3: train a P-EAGLE head that drafts all ``ttt_steps`` tokens
             in one pass (vLLM's ``parallel_drafting``; ``peagle.py``), with ``num_anchors`` mask
             blocks per row and the mask token chosen as for DFlash (``mask_token_id``).
+        loss_vocab_size: DFlash: score the training loss over the most frequent loss-masked
+            tokens only (EOS kept), like an EAGLE-3 draft vocabulary: the loss's cost falls
+            with it. Drafting and validation still use the full vocabulary. Null: all ids.
     """
 
     def __init__(
@@ -137,6 +133,7 @@ class DraftModule(pl.LightningModule):
         train_mask_embedding: bool | None = None,
         loss_decay_gamma: float | None = None,
         parallel_drafting: bool = False,
+        loss_vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if ttt_steps < 1 or not 0 < loss_decay <= 1 or lr <= 0:
