@@ -31,11 +31,10 @@ pytestmark = pytest.mark.vllm
 
 K = 2
 EPOCHS = 10
-# |simulated - served| acceptance length on the same prompts. Training scores a chain from
-# every position; served decoding starts chains only where the last one ended, fewer inside
-# runs the head gets right, so a half-trained head's served length comes out lower:
-# measured 0.00-0.26 below the simulation over the families here (llama the largest).
-TOLERANCE = 0.35
+# |simulated - served| acceptance length on the same prompts. Validation walks each reply
+# as vLLM drafts it (a chain where the last one ended): llama 1.784 simulated against 1.779
+# served. Scoring a chain from every position instead had put it 0.00-0.26 too high.
+TOLERANCE = 0.1
 TINY = Path(__file__).resolve().parents[1] / "configs" / "pipelines" / "tiny.yaml"
 TOPICS = ["rivers", "bread", "chess", "comets", "tea", "bridges", "owls", "glass"]
 PER_TURN = {"qwen3", "qwen3_moe", "gpt_oss"}  # templates that re-render earlier replies

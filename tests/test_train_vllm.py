@@ -18,7 +18,7 @@ from draftsmith.train.main import main as train_main
 pytestmark = pytest.mark.vllm
 
 K = 3
-TOLERANCE = 0.25  # |simulated - vLLM| acceptance length; measured 0.03 (3.84 vs 3.82)
+TOLERANCE = 0.1  # |simulated - vLLM| acceptance length; 0.03 (3.84 vs 3.82) before the walk
 
 
 def test_overfit_head_reaches_k_plus_one_in_vllm(tmp_path, make_tiny_llama, make_hf_dataset):

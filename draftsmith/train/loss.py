@@ -204,6 +204,8 @@ class TTTLoss:
     acceptance_length: Tensor  # scalar, see simulated_acceptance_length
     chain_seen: Tensor  # [K] see chain_counts
     chain_hit: Tensor  # [K]
+    stream_accepted: Tensor | None = None  # [B, T] drafts a chain started at t would have
+    # accepted (TTT streams; ``served_acceptance`` walks them as vLLM drafts)
 
 
 def ttt_loss(
@@ -275,6 +277,7 @@ def ttt_loss(
         corrects.append(correct)
         valids.append(valid)
     seen, hit = chain_counts(torch.stack(corrects), torch.stack(valids))
+    accepted = (torch.stack(corrects) & torch.stack(valids)).long().cumprod(0).sum(0)  # [B, T]
     return TTTLoss(
         loss=total,
         step_loss=torch.stack(losses),
@@ -283,4 +286,5 @@ def ttt_loss(
         acceptance_length=acceptance_from_counts(seen, hit),
         chain_seen=seen,
         chain_hit=hit,
+        stream_accepted=accepted,
     )

@@ -15,6 +15,7 @@ known, so that ``draftsmith export`` can rebuild it from a checkpoint alone (see
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids, read_target
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.dflash_blocks import served_walk
 from draftsmith.train.dflash_train import build_dflash, choose_mask_token, dflash_forward_loss
 from draftsmith.train.heads import from_target_config
 from draftsmith.train.init import init_from_target
@@ -317,6 +319,16 @@ class DraftModule(pl.LightningModule):
             batch["doc_ids"], top1, hp.loss_decay, hp.loss_chunk_size,
             loss=hp.loss, tv_weight=hp.tv_weight,
         )  # fmt: skip
+        if not self.training:  # the acceptance vLLM serves: chains where the last one ended
+            accepted = torch.zeros_like(batch["input_ids"])
+            accepted[:, 1:] = out.stream_accepted[:, :-1]  # stream t's bonus token is x_{t+1}
+            seen, hit = served_walk(accepted, batch["loss_mask"], batch["doc_ids"], hp.ttt_steps)
+            out = dataclasses.replace(
+                out,
+                chain_seen=seen,
+                chain_hit=hit,
+                acceptance_length=acceptance_from_counts(seen, hit),
+            )
         loss = out.loss
         if hp.kind == "eagle":
             loss = hp.ce_weight * loss + hp.regression_weight * self.regression(
@@ -378,8 +390,10 @@ class DraftModule(pl.LightningModule):
         self._val_hit += out.chain_hit.to(self.device)
 
     def on_validation_epoch_end(self) -> None:
-        """Simulated acceptance length of a greedy chain of k drafts, k = 1..ttt_steps, from
-        counts summed over every validation batch and rank."""
+        """Simulated acceptance length: each validation response walked as vLLM drafts it
+        (a chain of drafts, then the next chain after the accepted ones and the target's own
+        token), with counts summed over every validation batch and rank; ``_k{k}`` reads the
+        walk's first k positions."""
         seen, hit = self._val_seen, self._val_hit
         if self.trainer.world_size > 1:
             seen, hit = self.all_gather(seen).sum(0), self.all_gather(hit).sum(0)
