@@ -32,3 +32,47 @@ class CrashAtStep(Callback):
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == self.step:
             raise RuntimeError(f"simulated crash at step {self.step}")
+
+
+def fit_then_validate(section: dict, tmp_path) -> tuple:
+    """Train the train-stage ``section`` (a dict of a train YAML) with its checkpoints under
+    ``tmp_path/ckpt``, then validate ``last.ckpt`` on the whole dataset; returns (the
+    checkpoint path, the simulated acceptance length validation logged)."""
+    import csv
+
+    import yaml
+
+    from draftsmith.train.main import main as train_main
+
+    section["checkpoint"] = {"dirpath": str(tmp_path / "ckpt"), "monitor": None}
+    section["trainer"]["default_root_dir"] = str(tmp_path / "run")
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(section))
+    assert train_main(["fit", f"--config={config}"]) == 0
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    logs = tmp_path / "val"
+    validate = [f"--config={config}", "--data.val_fraction=1.0", f"--ckpt_path={ckpt}"]
+    csv_logger = "--trainer.logger=lightning.pytorch.loggers.CSVLogger"
+    assert train_main(["validate", *validate, csv_logger, f"--trainer.logger.save_dir={logs}"]) == 0
+    rows = list(csv.DictReader((logs / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    return ckpt, float(rows[-1]["val/acceptance_length"])
+
+
+def serve_head(target, head, prompts: list[str], tmp_path, method: str, *extra: str) -> dict:
+    """``draftsmith eval`` of ``head`` on ``prompts`` (k = 3, 48 tokens, lossless check on);
+    asserts the run was lossless with drafts accepted and returns its results.json row."""
+    import json
+
+    from draftsmith.cli import main as cli_main
+
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    args = [f"--model={target}", f"--head={head}", "--k=[3]", *extra]
+    args += [f"--datasets=[{prompt_file}]", "--max_tokens=48", "--concurrency=16"]
+    args += ["--baselines=[none]", "--lossless=true", "--wandb=false"]
+    assert cli_main(["eval", *args, f"--output={tmp_path / 'eval'}"]) == 0
+    runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
+    run = next(r for r in runs if r["method"] == method)
+    assert run["lossless"]["mismatches"] == [], run["lossless"]
+    assert run["counters"]["num_accepted_tokens"] > 0, run
+    return run

@@ -4,12 +4,12 @@ with ``parallel_drafting`` (lossless, accepted, close to the simulation)."""
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import fit_then_validate, serve_head
 
 from draftsmith.train.headdir import head_config, head_tensors
 from draftsmith.train.heads import Eagle3Head
@@ -118,7 +118,6 @@ def test_tiny_peagle_trains_exports_and_serves_as_simulated(
     import yaml
 
     from draftsmith.cli import main as cli_main
-    from draftsmith.train.main import main as train_main
 
     target = make_tiny_llama(tmp_path / "peaked", seed=1, norm_scale=8.0)
     prompts = [f"Write a short note about topic number {i}." for i in range(16)]
@@ -127,32 +126,12 @@ def test_tiny_peagle_trains_exports_and_serves_as_simulated(
     section["trainer"].update(max_epochs=20, logger=False, enable_progress_bar=False)
     section["model"].update(ttt_steps=3, parallel_drafting=True, num_anchors=64, lr=3e-3)
     section["data"].update(data=str(data), val_fraction=0)
-    section["checkpoint"] = {"dirpath": str(tmp_path / "ckpt"), "monitor": None}
-    section["trainer"]["default_root_dir"] = str(tmp_path / "run")
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(section))
-    assert train_main(["fit", f"--config={config}"]) == 0
-    ckpt = tmp_path / "ckpt" / "last.ckpt"
-    logs = tmp_path / "val"
-    validate = [f"--config={config}", "--data.val_fraction=1.0", f"--ckpt_path={ckpt}"]
-    csv_logger = "--trainer.logger=lightning.pytorch.loggers.CSVLogger"
-    assert train_main(["validate", *validate, csv_logger, f"--trainer.logger.save_dir={logs}"]) == 0
-    rows = list(csv.DictReader((logs / "lightning_logs" / "version_0" / "metrics.csv").open()))
-    simulated = float(rows[-1]["val/acceptance_length"])
+    ckpt, simulated = fit_then_validate(section, tmp_path)
 
     head = tmp_path / "head"
     assert cli_main(["export", f"--checkpoint={ckpt}", f"--output={head}", "--dtype=float32"]) == 0
     assert json.loads((head / "config.json").read_text())["speculators_model_type"] == "peagle"
-    prompt_file = tmp_path / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    args = [f"--model={target}", f"--head={head}", "--k=[3]"]  # method from the head: peagle
-    args += [f"--datasets=[{prompt_file}]", "--max_tokens=48", "--concurrency=16"]
-    args += ["--baselines=[none]", "--lossless=true", "--wandb=false"]
-    assert cli_main(["eval", *args, f"--output={tmp_path / 'eval'}"]) == 0
-    runs = json.loads((tmp_path / "eval" / "results.json").read_text())["runs"]
-    run = next(r for r in runs if r["method"] == "peagle")
-    assert run["lossless"]["mismatches"] == [], run["lossless"]
-    assert run["counters"]["num_accepted_tokens"] > 0, run
+    run = serve_head(target, head, prompts, tmp_path, "peagle")  # method from the head
     served = run["acceptance_length"]
     print(f"peagle: simulated {simulated:.4f}, served {served:.4f}, counters {run['counters']}")
     assert abs(served - simulated) <= 0.05 * served, (served, simulated)
