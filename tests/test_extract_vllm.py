@@ -203,8 +203,12 @@ def test_worker_killed_mid_shard_reruns_and_merges_without_gaps(tmp_path, tiny_m
         start_new_session=True,  # a kill takes vLLM's engine processes down with it
     )
     os.close(signal_w)
-    readable, _, _ = select.select([ready], [], [], 300)
-    assert readable and os.read(ready, 1) == b"2", proc.communicate()[0].decode()[-3000:]
+    readable, _, _ = select.select([ready], [], [], 600)
+    if not readable:  # the worker pauses forever at its second shard: kill it before reading
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0].decode()[-3000:]
+        pytest.fail(f"worker 1 wrote no second shard in 600 s:\n{output}")
+    assert os.read(ready, 1) == b"2"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
