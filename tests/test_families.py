@@ -34,9 +34,9 @@ EPOCHS = 10
 # |simulated - served| acceptance length on the same prompts. Validation walks each reply
 # as vLLM drafts it (a chain where the last one ended): llama 1.784 simulated against 1.779
 # served. Scoring a chain from every position instead had put it 0.00-0.26 too high. What
-# remains is the cut at max_tokens: vLLM counts the last chain's drafts accepted past it,
-# which the walk cannot know: granite, 2.95 served over ~8 chains per 24-token reply,
-# walked 0.12 under.
+# remains is most likely the cut at max_tokens: vLLM counts the last chain's drafts accepted
+# past it, which the walk cannot know (granite: 2.95 served, ~8 chains per 24-token reply,
+# walked 0.12 under).
 TOLERANCE = 0.15
 TINY = Path(__file__).resolve().parents[1] / "configs" / "pipelines" / "tiny.yaml"
 TOPICS = ["rivers", "bread", "chess", "comets", "tea", "bridges", "owls", "glass"]
