@@ -199,7 +199,7 @@ def dflash_forward_loss(
         chunk = slice(start, start + module.hparams.num_anchors)
         out, correct = run_blocks(module, batch, teacher, anchors[:, chunk], keep[:, chunk])
         lengths = accepted_lengths(correct) * keep[:, chunk]  # [B, A]
-        accepted.scatter_(1, anchors[:, chunk], lengths)
+        accepted.scatter_add_(1, anchors[:, chunk], lengths)  # unused slots add 0
         parts.append(out)
     seen, hit = served_walk(
         accepted, batch["loss_mask"], batch["doc_ids"], module.hparams.block_size - 1

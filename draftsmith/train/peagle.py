@@ -137,7 +137,8 @@ def peagle_forward_loss(
             module, batch, teacher_states, teacher_weight, top1, a, kp, k, with_correct=True
         )
         lengths = accepted_lengths(correct) * kp  # [B, A]
-        accepted.scatter_(1, (a + 1).clamp(max=accepted.shape[1] - 1), lengths)
+        # add: each position appears once, and unused slots (anchor 0, length 0) add nothing
+        accepted.scatter_add_(1, (a + 1).clamp(max=accepted.shape[1] - 1), lengths)
         parts.append(out)
     seen, hit = served_walk(accepted, batch["loss_mask"], batch["doc_ids"], k)
     return merge(parts, seen, hit)
