@@ -265,7 +265,7 @@ def test_loss_vocab_restricts_training_not_validation(tiny_dataset):
     model = fit(64)
     dm = model.trainer.datamodule
     target = read_target(dm.target_path)
-    counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
+    counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)  # read afresh
     kept = draft_vocab(counts, 64, eos_ids(target.config))
     torch.testing.assert_close(model.loss_lm_head, model.target_lm_head[kept])
     assert model.trainer.callback_metrics["val/acceptance_length"] >= 1.0

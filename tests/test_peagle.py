@@ -107,6 +107,8 @@ def test_parallel_drafting_needs_eagle3():
 
     with pytest.raises(ConfigError, match="model.parallel_drafting"):
         DraftModule(kind="dflash", parallel_drafting=True)
+    with pytest.raises(ConfigError, match="model.loss_vocab_size"):  # DFlash's option only
+        DraftModule(kind="eagle3", loss_vocab_size=1024)
 
 
 @pytest.mark.vllm

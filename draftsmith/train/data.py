@@ -173,6 +173,7 @@ class EagleDataModule(pl.LightningDataModule):
                     "for every sample"
                 )
             self.train_indices = self.train_indices[:max_train_samples]
+        self._train_counts: Tensor | None = None  # ``train_token_counts``, read on first use
         lengths = self.dataset.lengths
         self.num_truncated = sum(n > row_tokens for n in lengths)
         self.tokens_cut = sum(max(n - row_tokens, 0) for n in lengths)
@@ -183,6 +184,13 @@ class EagleDataModule(pl.LightningDataModule):
                 f"{sum(lengths):,} tokens, are not trained on. Set data.row_tokens to "
                 f"{max(lengths)} (the longest sample) to keep them"
             )
+
+    def train_token_counts(self, vocab_size: int) -> Tensor:
+        """``token_counts`` of the training samples, read once per data module (the draft
+        vocabulary, the loss vocabulary and the mask token all ask for it)."""
+        if self._train_counts is None:
+            self._train_counts = token_counts(self.dataset, vocab_size, self.train_indices)
+        return self._train_counts
 
     def check_target(self, target: TargetInfo) -> None:
         """Raise ``DatasetError`` naming each field where the dataset's target differs."""

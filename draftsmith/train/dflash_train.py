@@ -29,7 +29,7 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids
 from draftsmith.train.acceptance import acceptance_from_counts
-from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.data import EagleDataModule, draft_vocab
 from draftsmith.train.dflash import dflash_from_target
 from draftsmith.train.dflash_blocks import (
     accepted_lengths,
@@ -83,7 +83,7 @@ def choose_mask_token(
     n = tokenizer_size(target)
     if n is not None and n < vocab:
         return n, True
-    counts = token_counts(dm.dataset, vocab, dm.train_indices)
+    counts = dm.train_token_counts(vocab)
     unused = (counts == 0).nonzero().flatten()
     return int(unused[-1] if unused.numel() else counts.argmin()), False
 
@@ -132,7 +132,7 @@ def build_dflash(module: LightningModule, target: TargetInfo, dm: EagleDataModul
                 f"model.loss_vocab_size: {hp.loss_vocab_size}; give 1..{target.vocab_size} "
                 "(the target's vocabulary) or null for all of it"
             )
-        counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
+        counts = dm.train_token_counts(target.vocab_size)
         kept = draft_vocab(counts, hp.loss_vocab_size, eos_ids(target.config))
         covered = counts[kept].sum().item() / max(counts.sum().item(), 1)
         module.register_buffer("loss_lm_head", weights.lm_head[kept], persistent=False)

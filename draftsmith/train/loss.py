@@ -205,7 +205,7 @@ class TTTLoss:
     chain_seen: Tensor  # [K] see chain_counts
     chain_hit: Tensor  # [K]
     stream_accepted: Tensor | None = None  # [B, T] drafts a chain started at t would have
-    # accepted (TTT streams; ``served_acceptance`` walks them as vLLM drafts)
+    # accepted (TTT streams; validation walks them as vLLM drafts, ``served_walk``)
 
 
 def ttt_loss(

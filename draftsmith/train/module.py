@@ -29,7 +29,7 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids, read_target
 from draftsmith.train.acceptance import acceptance_from_counts, step_validity
-from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+from draftsmith.train.data import EagleDataModule, draft_vocab
 from draftsmith.train.dflash_blocks import served_walk
 from draftsmith.train.dflash_train import build_dflash, choose_mask_token, dflash_forward_loss
 from draftsmith.train.heads import from_target_config
@@ -150,6 +150,11 @@ class DraftModule(pl.LightningModule):
                     f"model.{name}: normalises EAGLE-3's fused tapped states; set it false "
                     f"for model.kind {kind}"
                 )
+        if loss_vocab_size is not None and kind != "dflash":
+            raise ConfigError(
+                f"model.loss_vocab_size: restricts DFlash's loss; model.kind {kind} has "
+                "model.draft_vocab_size instead. Set loss_vocab_size null"
+            )
         if parallel_drafting and kind != "eagle3":
             raise ConfigError(
                 f"model.parallel_drafting: P-EAGLE drafts with an EAGLE-3 head; set model.kind "
@@ -182,7 +187,7 @@ class DraftModule(pl.LightningModule):
                 say(f"train: P-EAGLE mask token {mask_id} ({how}), trained mask_hidden")
             self.build(target, dm.aux_layer_ids, dm.teacher_layer_id, mask_id)
         if self.hparams.kind == "eagle3":
-            counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)
+            counts = dm.train_token_counts(target.vocab_size)
             ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(target.config))
             self.set_draft_vocab(ids)
             covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
