@@ -193,6 +193,31 @@ def test_export_names_and_mask_embedding_round_trip(tmp_path):
     )
 
 
+def test_layers_share_k_norm_and_export_one_copy_each(tmp_path):
+    """Several layers share layer 0's k_norm (vLLM-CPU norms every layer's context keys with
+    it): training moves one vector, the export writes it under every layer's key, and a
+    drafter rebuilt from the export keeps them tied."""
+    from safetensors.torch import load_file, save_file
+
+    head = tiny_drafter(num_layers=3)
+    norms = [layer.self_attn.k_norm.weight for layer in head.layers]
+    assert all(n is norms[0] for n in norms)
+    assert sum(p is norms[0] for p in head.parameters()) == 1  # one parameter to train
+    with torch.no_grad():
+        norms[0].mul_(torch.linspace(0.5, 2.0, 64))
+    tensors = dflash_tensors(head, torch.float32)  # same dtype: still one copy per key
+    save_file(tensors, tmp_path / "model.safetensors")  # refuses tensors sharing memory
+    loaded = load_file(tmp_path / "model.safetensors")
+    for i in range(3):
+        assert torch.equal(loaded[f"layers.{i}.self_attn.k_norm.weight"], norms[0].detach())
+    assert not torch.equal(loaded["layers.1.self_attn.q_norm.weight"], norms[0].detach())
+    rebuilt = tiny_drafter(num_layers=3)
+    rebuilt.load_state_dict(head.state_dict())
+    assert rebuilt.layers[2].self_attn.k_norm is rebuilt.layers[0].self_attn.k_norm
+    untied = tiny_drafter(num_layers=2, tie_k_norm=False)
+    assert untied.layers[1].self_attn.k_norm is not untied.layers[0].self_attn.k_norm
+
+
 @pytest.mark.vllm
 def test_tiny_dflash_trains_exports_and_serves_as_simulated(
     tmp_path, make_tiny_llama, make_hf_dataset

@@ -275,6 +275,22 @@ def test_pipeline_configs_dry_run(path, tmp_path, tiny_model_dir, capsys):
         assert f"{stage:8s} ok" in printed
 
 
+@pytest.mark.parametrize(
+    ("eagle", "dflash"),
+    [("smollm2.yaml", "smollm2-dflash.yaml"),
+     ("smollm2-cpu-2h.yaml", "smollm2-cpu-2h-dflash.yaml"),
+     ("smollm2-cpu-2h-prefill.yaml", "smollm2-cpu-2h-prefill-dflash.yaml")],
+)  # fmt: skip
+def test_each_dflash_recipe_trains_on_its_eagle_recipes_dataset(eagle, dflash, tmp_path):
+    """One dataset trains either kind: the DFlash recipe's extraction (and validation set)
+    has the address of its EAGLE-3 twin's, so a shared output reuses it."""
+    out = f"--output={tmp_path}"
+    a = Plan(parse_pipeline([f"--config={CONFIGS / eagle}", out]))
+    b = Plan(parse_pipeline([f"--config={CONFIGS / dflash}", out]))
+    assert a.dirs["extract"] == b.dirs["extract"] and a.val_dir() == b.val_dir()
+    assert a.dirs["train"] != b.dirs["train"]
+
+
 CSV_LOGGER = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "x"}}
 
 

