@@ -16,7 +16,7 @@ import os
 import sys
 
 from draftsmith.core.console import VERBOSE_ENV
-from draftsmith.pipelines.stages import COMMANDS
+from draftsmith.pipelines.commands import COMMANDS
 
 
 def usage() -> str:

@@ -303,8 +303,8 @@ def build_hf_dataset(
     from draftsmith.conversations.template import render_prompt
     from draftsmith.core.files import write_json_atomic
     from draftsmith.core.targets import read_target
-    from draftsmith.extract.manifest import target_entry
-    from draftsmith.extract.store import write_shard
+    from draftsmith.dataset.manifest import target_entry
+    from draftsmith.dataset.shards import write_shard
     from draftsmith.extract.verify import reference_states
 
     tok = AutoTokenizer.from_pretrained(target_dir)

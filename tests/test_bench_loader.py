@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from draftsmith.extract.store import bytes_per_token
+from draftsmith.dataset.shards import bytes_per_token
 from draftsmith.train.bench_loader import main, sample_lengths
 
 TINY = {

@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from draftsmith.extract import open_dataset
+from draftsmith.dataset import open_dataset
 from draftsmith.pipelines import curve
 from draftsmith.train.packing import split_samples
 

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from helpers import fit_then_validate, serve_head
 
-from draftsmith.train.acceptance import acceptance_from_counts
-from draftsmith.train.dflash import DFlashDrafter
-from draftsmith.train.dflash_blocks import (
+from draftsmith.drafters.acceptance import acceptance_from_counts
+from draftsmith.drafters.dflash.blocks import (
     accepted_lengths,
     anchor_candidates,
     block_inputs,
@@ -26,13 +25,14 @@ from draftsmith.train.dflash_blocks import (
     slot_validity,
     slot_weights,
 )
-from draftsmith.train.dflash_export import (
+from draftsmith.drafters.dflash.export import (
     MASK_EMBEDDING_FILE,
     dflash_config,
     dflash_tensors,
     read_mask_embedding,
     write_mask_embedding,
 )
+from draftsmith.drafters.dflash.model import DFlashDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 20  # the tiny recipe's drafter, trained until it drafts something
@@ -252,7 +252,7 @@ def test_mask_token_is_a_spare_id_when_the_vocabulary_has_one(smollm2_dir):
     from types import SimpleNamespace
 
     from draftsmith.core.errors import ConfigError
-    from draftsmith.train.dflash_train import choose_mask_token, target_layer_ids
+    from draftsmith.drafters.dflash.objective import choose_mask_token, target_layer_ids
 
     padded = SimpleNamespace(path=str(smollm2_dir), vocab_size=49152 + 64)
     assert choose_mask_token(padded, None, None) == (49152, True)  # first id past the tokenizer

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.core.targets import read_target
-from draftsmith.train.headdir import export_head, head_config
-from draftsmith.train.heads import from_target_config
+from draftsmith.drafters.headfiles import export_head, head_config
+from draftsmith.drafters.llama import from_target_config
 
 LAYER = [
     "self_attn.q_proj.weight",

@@ -151,7 +151,7 @@ def test_kept_replies_are_spread_evenly(tokenizer, share):
     prompts without replies are always answered by the target."""
     from draftsmith.conversations.sources import Conversation, SkipLog
     from draftsmith.extract.config import ExtractConfig
-    from draftsmith.extract.plan import plan_items
+    from draftsmith.extract.sample_plan import plan_items
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     prompt = [{"role": "user", "content": "hi"}]
@@ -172,7 +172,7 @@ def test_keep_replies_enters_the_fingerprint_only_when_set():
     from types import SimpleNamespace
 
     from draftsmith.extract.config import ExtractConfig
-    from draftsmith.extract.plan import fingerprint
+    from draftsmith.extract.sample_plan import fingerprint
 
     target = SimpleNamespace(config_sha256="x")
     plain = fingerprint(ExtractConfig(data=["c"], regenerate=True), target, [1, 2])

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from draftsmith.conversations.template import render_conversation, render_prompt
-from draftsmith.extract.dataset import open_dataset
+from draftsmith.dataset.reader import open_dataset
 from draftsmith.extract.verify import verify_dataset
 
 pytestmark = pytest.mark.vllm
@@ -55,7 +55,7 @@ CHATS = [
 # descriptor given first and waits there forever (for the test's SIGKILL).
 PAUSE_AT_SECOND_SHARD = """
 import os, signal, sys
-from draftsmith.extract import store
+from draftsmith.dataset import shards as store
 fd, real, calls = int(sys.argv[1]), store.write_shard, []
 def write_shard(*args, **kwargs):
     calls.append(1)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.train.headdir import head_config
-from draftsmith.train.heads import Eagle1Head, Eagle3Head, from_target_config
-from draftsmith.train.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
-from draftsmith.train.ttt import ttt_unroll
+from draftsmith.drafters.headfiles import head_config
+from draftsmith.drafters.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
+from draftsmith.drafters.llama import Eagle1Head, Eagle3Head, from_target_config
+from draftsmith.drafters.ttt import ttt_unroll
 
 TARGET = {
     "architectures": ["LlamaForCausalLM"],

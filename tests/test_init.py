@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import read_target
-from draftsmith.train.heads import Eagle1Head, Eagle3Head, from_target_config
-from draftsmith.train.init import init_from_target
-from draftsmith.train.weights import load_target_weights
+from draftsmith.drafters.llama import Eagle1Head, Eagle3Head, from_target_config
+from draftsmith.drafters.target_init import init_from_target
+from draftsmith.drafters.target_weights import load_target_weights
 
 H = 128  # the tiny target's hidden size (8 layers)
 COPIED = [

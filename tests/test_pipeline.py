@@ -11,7 +11,7 @@ import yaml
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import PipelineConfig, PipelineError, parse_pipeline
 from draftsmith.pipelines.main import main as pipeline_main
-from draftsmith.pipelines.plan import (
+from draftsmith.pipelines.stage_dirs import (
     EVAL_MIN_PROMPTS,
     TRAIN_STARTUP_S,
     Plan,

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.train.headdir import head_config
-from draftsmith.train.heads import from_target_config, target_rope
-from draftsmith.train.layers import RotaryEmbedding
+from draftsmith.drafters.headfiles import head_config
+from draftsmith.drafters.layers import RotaryEmbedding
+from draftsmith.drafters.llama import from_target_config, target_rope
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 
 from draftsmith.core import files
 from draftsmith.core.files import sha256_file, write_json_atomic
-from draftsmith.extract.dataset import DatasetError, open_dataset
-from draftsmith.extract.store import (
+from draftsmith.dataset.reader import DatasetError, open_dataset
+from draftsmith.dataset.shards import (
     STORAGE_DTYPES,
     ShardInfo,
     bytes_per_token,

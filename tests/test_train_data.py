@@ -14,9 +14,10 @@ import torch
 
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
-from draftsmith.extract.dataset import DatasetError, open_dataset
-from draftsmith.extract.store import write_shard
-from draftsmith.train.acceptance import step_validity
+from draftsmith.dataset.reader import DatasetError, open_dataset
+from draftsmith.dataset.shards import write_shard
+from draftsmith.drafters.acceptance import step_validity
+from draftsmith.drafters.ttt import document_causal_mask, shift_tokens
 from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
 from draftsmith.train.packing import (
     PAD_DOC_ID,
@@ -26,7 +27,6 @@ from draftsmith.train.packing import (
     pack,
     split_samples,
 )
-from draftsmith.train.ttt import document_causal_mask, shift_tokens
 
 LAYER_IDS = [2, 4, 5, 8]
 NUM_LAYERS = 8

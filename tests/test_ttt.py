@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from helpers import LargestTensor
 
-from draftsmith.train.heads import Eagle1Head, Eagle3Head
-from draftsmith.train.layers import repeat_kv
-from draftsmith.train.ttt import (
+from draftsmith.drafters.layers import repeat_kv
+from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
+from draftsmith.drafters.ttt import (
     PrefixAttention,
     TTTAttention,
     document_causal_mask,

@@ -118,7 +118,7 @@ def check_overlap(
     threshold: float,
 ) -> dict:
     """Raise ``OverlapError`` naming every overlapping prompt; else a summary for results.json."""
-    from draftsmith.extract import open_dataset
+    from draftsmith.dataset import open_dataset
 
     dataset = open_dataset(train_data)
     matches, scores = find_overlap(eval_prompts, dataset.token_ids(), ngram, threshold)

@@ -1,9 +1,5 @@
 """Extract stage: a target's hidden states captured by vLLM into a sharded dataset.
 
-``open_dataset(path)`` is the reader every later stage builds on; ``draftsmith
-extract`` (``draftsmith.extract.main``) writes datasets.
+``draftsmith extract`` (``draftsmith.extract.main``) writes datasets in the format of
+``draftsmith.dataset``, which also reads them.
 """
-
-from draftsmith.extract.dataset import DatasetError, HiddenStatesDataset, open_dataset
-
-__all__ = ["DatasetError", "HiddenStatesDataset", "open_dataset"]

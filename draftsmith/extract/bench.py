@@ -91,7 +91,7 @@ def _extract(cfg: ExtractConfig) -> dict:
 def _hf_forward(dataset: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.extract.dataset import open_dataset
+    from draftsmith.dataset.reader import open_dataset
     from draftsmith.extract.verify import reference_states
 
     ds = open_dataset(dataset)

@@ -33,7 +33,7 @@ from draftsmith.conversations.sources import SkipLog
 from draftsmith.conversations.template import mask_reasoning, reasoning_ends, render_prompt
 from draftsmith.core.engine import EngineOptions
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.plan import Item, common_prefix, turn_item
+from draftsmith.extract.sample_plan import Item, common_prefix, turn_item
 
 WAIT_SECONDS = 120.0
 

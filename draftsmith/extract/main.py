@@ -62,8 +62,10 @@ def run(cfg: ExtractConfig) -> dict:
     from transformers import AutoTokenizer
 
     from draftsmith.core.files import write_json_atomic
-    from draftsmith.extract import capture, manifest, plan
-    from draftsmith.extract.store import write_shard
+    from draftsmith.dataset import manifest
+    from draftsmith.dataset.shards import write_shard
+    from draftsmith.extract import capture
+    from draftsmith.extract import sample_plan as plan
 
     run_started = time.monotonic()
     check_config(cfg)
@@ -115,7 +117,7 @@ def run(cfg: ExtractConfig) -> dict:
     if not items:
         raise DataError(f"data: {cfg.data} gave no usable conversation ({skips.by_reason()})")
     shards = plan.shard_ids(items, cfg.samples_per_shard)
-    plan.write_plan(output, fp, shards, skips)
+    manifest.write_plan(output, fp, shards, skips.to_dict())
     by_id = {sid: it for it in items for sid in it.sample_ids()}  # sample id -> its item
 
     todo = [
@@ -180,7 +182,7 @@ def run(cfg: ExtractConfig) -> dict:
 def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
     """Sampled replies for the shards to do, written by a plain engine, cached per shard."""
     from draftsmith.core.files import write_json_atomic
-    from draftsmith.extract import plan
+    from draftsmith.extract import sample_plan as plan
     from draftsmith.extract.capture import write_replies
 
     cache = output / "replies"
@@ -224,7 +226,7 @@ def _by_turn(samples: list[dict]) -> dict[str, int]:
 
 def _cached_item(by_id: dict, row: dict):
     """The item of one cached written sequence (a turn item for a per-turn sample)."""
-    from draftsmith.extract.plan import turn_item
+    from draftsmith.extract.sample_plan import turn_item
 
     item = by_id[row["id"]]
     if row.get("turn") is None or item.turn is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.extract.dataset import open_dataset
+from draftsmith.dataset.reader import open_dataset
 
 # Largest error relative to a layer's max |value| that each storage dtype allows.
 DEFAULT_TOLERANCE = {"float32": 1e-3, "float16": 1e-2, "bfloat16": 2e-2, "fp8_e4m3": 8e-2}

@@ -17,7 +17,7 @@ import yaml
 
 from draftsmith.core.config import merge, parse_config, section_overrides, set_dotted
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.pipelines.stages import PIPELINE
+from draftsmith.pipelines.commands import PIPELINE
 
 STAGES = PIPELINE
 

@@ -39,6 +39,7 @@ from draftsmith.core.console import say, stage_log
 from draftsmith.core.engine import shared_engines
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
+from draftsmith.pipelines.commands import COMMANDS
 from draftsmith.pipelines.config import (
     STAGES,
     PipelineConfig,
@@ -46,7 +47,7 @@ from draftsmith.pipelines.config import (
     parse_pipeline,
     seconds_of,
 )
-from draftsmith.pipelines.plan import (
+from draftsmith.pipelines.stage_dirs import (
     DONE,
     Plan,
     eval_prompts,
@@ -54,7 +55,6 @@ from draftsmith.pipelines.plan import (
     shard_seconds_per_sample,
     train_time,
 )
-from draftsmith.pipelines.stages import COMMANDS
 
 
 def stage_config(stage: str, section: dict[str, Any]) -> Any:

@@ -26,10 +26,10 @@ import torch
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import exit_code
 from draftsmith.core.targets import read_target
-from draftsmith.train.heads import from_target_config
-from draftsmith.train.loss import ttt_loss
-from draftsmith.train.ttt import AttentionImpl, ttt_unroll
-from draftsmith.train.weights import load_target_weights
+from draftsmith.drafters.llama import from_target_config
+from draftsmith.drafters.loss import ttt_loss
+from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll
 
 GPU_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity
 

@@ -117,9 +117,8 @@ def write_synthetic(
     """A complete dataset of random states in ``out``, written as extract writes one."""
     from draftsmith.conversations.sources import SkipLog
     from draftsmith.core.files import write_json_atomic
-    from draftsmith.extract.manifest import build_manifest, shard_name, sidecar_path
-    from draftsmith.extract.plan import write_plan
-    from draftsmith.extract.store import write_shard
+    from draftsmith.dataset.manifest import build_manifest, shard_name, sidecar_path, write_plan
+    from draftsmith.dataset.shards import write_shard
 
     lengths = sample_lengths(cfg.tokens, cfg.sample_tokens, cfg.seed)
     ids = [f"synthetic-{k}" for k in range(len(lengths))]
@@ -130,7 +129,7 @@ def write_synthetic(
     pool = torch.randn(2 * longest, len(layer_ids), target.hidden_size, generator=gen)
     pool = pool.to(torch.bfloat16)  # [2 * longest, L, H]
     fp = {"synthetic": True, "storage_dtype": storage, "seed": cfg.seed}
-    write_plan(out, fp, shards, SkipLog())
+    write_plan(out, fp, shards, SkipLog().to_dict())
     length = dict(zip(ids, lengths, strict=True))
     for index, shard in enumerate(shards):
         samples = []

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.extract import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
 from draftsmith.train.packing import (
     PackedDataset,
     ResumableLoader,

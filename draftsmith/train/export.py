@@ -26,9 +26,9 @@ from draftsmith.core.config import parse_config
 from draftsmith.core.console import say
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.targets import read_target
-from draftsmith.train.dflash import DFlashDrafter
-from draftsmith.train.dflash_export import export_dflash
-from draftsmith.train.headdir import HEADS, export_head
+from draftsmith.drafters.dflash.export import export_dflash
+from draftsmith.drafters.dflash.model import DFlashDrafter
+from draftsmith.drafters.headfiles import HEADS, export_head
 from draftsmith.train.module import CHECKPOINT_KEY
 
 FSDP_METADATA = "meta.pt"  # Lightning's file beside the shards of an FSDP sharded checkpoint

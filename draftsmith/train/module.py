@@ -28,18 +28,22 @@ from torch import Tensor
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids, read_target
-from draftsmith.train.acceptance import acceptance_from_counts, step_validity
+from draftsmith.drafters.acceptance import acceptance_from_counts, step_validity
+from draftsmith.drafters.dflash.blocks import served_walk
+from draftsmith.drafters.dflash.objective import (
+    build_dflash,
+    choose_mask_token,
+    dflash_forward_loss,
+)
+from draftsmith.drafters.eagle3.parallel import peagle_forward_loss
+from draftsmith.drafters.llama import from_target_config
+from draftsmith.drafters.loss import LossKind, objective_weights, teacher_argmax, ttt_loss
+from draftsmith.drafters.target_init import init_from_target
+from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.ttt import ttt_unroll
 from draftsmith.train.data import EagleDataModule, draft_vocab
-from draftsmith.train.dflash_blocks import served_walk
-from draftsmith.train.dflash_train import build_dflash, choose_mask_token, dflash_forward_loss
-from draftsmith.train.heads import from_target_config
-from draftsmith.train.init import init_from_target
-from draftsmith.train.loss import LossKind, objective_weights, teacher_argmax, ttt_loss
 from draftsmith.train.packing import PAD_DOC_ID
-from draftsmith.train.peagle import peagle_forward_loss
 from draftsmith.train.schedule import adamw_with_schedule
-from draftsmith.train.ttt import ttt_unroll
-from draftsmith.train.weights import load_target_weights
 
 CHECKPOINT_KEY = "draftsmith"
 

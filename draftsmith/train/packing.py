@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.memory import keep_freed_memory
-from draftsmith.extract import DatasetError, HiddenStatesDataset
+from draftsmith.dataset import DatasetError, HiddenStatesDataset
 
 PAD_DOC_ID = -1
 

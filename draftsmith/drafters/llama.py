@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import text_config
-from draftsmith.train.layers import (
+from draftsmith.drafters.layers import (
     ROPE_KEYS,
     AttendFn,
     DecoderLayer,

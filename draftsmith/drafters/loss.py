@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.train.acceptance import acceptance_from_counts, chain_counts, step_validity
+from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts, step_validity
 
 LossKind = Literal["kl", "tv", "kl_tv"]
 

@@ -25,11 +25,13 @@ from torch.utils.data import Dataset
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import sha256_file
-from draftsmith.extract.shardfile import TensorSpec, read_header, read_rows
-from draftsmith.extract.store import (
+from draftsmith.dataset.shards import (
     FORMAT,
     TORCH_STORAGE_DTYPES,
+    TensorSpec,
     decode_hidden,
+    read_header,
+    read_rows,
 )
 
 FORMAT_VERSIONS = (1,)

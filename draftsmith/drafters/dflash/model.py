@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.train.layers import MLP, RMSNorm, RotaryEmbedding, repeat_kv
+from draftsmith.drafters.layers import MLP, RMSNorm, RotaryEmbedding, repeat_kv
 
 
 class DFlashAttention(nn.Module):
@@ -236,7 +236,7 @@ def dflash_from_target(target_config: dict[str, Any], **options: Any) -> DFlashD
     (``config.json``); ``options`` pass through (``target_layer_ids``, ``mask_token_id``,
     ``num_layers``, ``block_size``, ``train_mask_embedding``)."""
     from draftsmith.core.targets import text_config
-    from draftsmith.train.heads import target_rope
+    from draftsmith.drafters.llama import target_rope
 
     cfg = text_config(target_config)
     if cfg.get("hidden_act", "silu") != "silu":

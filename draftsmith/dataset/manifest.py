@@ -13,16 +13,41 @@ import json
 from pathlib import Path
 
 from draftsmith import __version__
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
-from draftsmith.extract.plan import PLAN_FILE
-from draftsmith.extract.store import bytes_per_token
+from draftsmith.dataset.shards import bytes_per_token
 
 LAYER_ID_MEANING = (
     "id k is the residual stream after k decoder layers, before any norm: 0 is the "
     "embedding output, num_hidden_layers is the last layer's output before the final norm "
     "(vLLM's eagle_aux_hidden_state_layer_ids). The layer axis is in ascending id order."
 )
+
+PLAN_FILE = "plan.json"
+
+
+class OutputMismatch(DraftsmithError):
+    """The output directory holds a dataset made with other settings."""
+
+
+def write_plan(output: Path, fp: dict, shards: list[list[str]], skipped: dict) -> None:
+    """Write ``plan.json``, or check that the one there lists the same samples."""
+    plan_file = output / PLAN_FILE
+    digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()
+    if plan_file.is_file():
+        found = json.loads(plan_file.read_text())
+        if found["samples_sha256"] != digest:
+            raise OutputMismatch(
+                f"output: {output} was planned with other samples (the inputs changed since "
+                "the first run); use another --output, or delete it to start over."
+            )
+        return
+    output.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(
+        plan_file,
+        {"fingerprint": fp, "samples_sha256": digest, "shards": shards, "skipped": skipped},
+    )
 
 
 def shard_name(index: int) -> str:

@@ -28,10 +28,8 @@ from torch import Tensor
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids
-from draftsmith.train.acceptance import acceptance_from_counts
-from draftsmith.train.data import EagleDataModule, draft_vocab
-from draftsmith.train.dflash import dflash_from_target
-from draftsmith.train.dflash_blocks import (
+from draftsmith.drafters.acceptance import acceptance_from_counts
+from draftsmith.drafters.dflash.blocks import (
     accepted_lengths,
     anchor_candidates,
     block_inputs,
@@ -42,8 +40,10 @@ from draftsmith.train.dflash_blocks import (
     served_walk,
     slot_validity,
 )
-from draftsmith.train.loss import TTTLoss
-from draftsmith.train.weights import load_target_weights
+from draftsmith.drafters.dflash.model import dflash_from_target
+from draftsmith.drafters.loss import TTTLoss
+from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.train.data import EagleDataModule, draft_vocab
 
 
 def target_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:

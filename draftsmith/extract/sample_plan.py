@@ -14,7 +14,6 @@ shares with the previous one, so the manifest can tell stored from unique tokens
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -30,12 +29,9 @@ from draftsmith.conversations.template import (
     render_conversation,
     render_turns,
 )
-from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
+from draftsmith.dataset.manifest import PLAN_FILE, OutputMismatch
 from draftsmith.extract.config import ExtractConfig
-
-PLAN_FILE = "plan.json"
 
 # Options that change what is stored; anything else (engine, workers, verify) does not.
 CONTENT_KEYS = (
@@ -50,10 +46,6 @@ CONTENT_KEYS = (
     "samples_per_shard",
     "seed",
 )
-
-
-class OutputMismatch(DraftsmithError):
-    """The output directory holds a dataset made with other settings."""
 
 
 @dataclass
@@ -255,22 +247,3 @@ def shard_items(sample_ids: list[str], by_sample: dict[str, Item]) -> list[Item]
         item = by_sample[sid]
         seen.setdefault(item.id, item)
     return list(seen.values())
-
-
-def write_plan(output: Path, fp: dict, shards: list[list[str]], skips: SkipLog) -> None:
-    """Write ``plan.json``, or check that the one there lists the same samples."""
-    plan_file = output / PLAN_FILE
-    digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()
-    if plan_file.is_file():
-        found = json.loads(plan_file.read_text())
-        if found["samples_sha256"] != digest:
-            raise OutputMismatch(
-                f"output: {output} was planned with other samples (the inputs changed since "
-                "the first run); use another --output, or delete it to start over."
-            )
-        return
-    output.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(
-        plan_file,
-        {"fingerprint": fp, "samples_sha256": digest, "shards": shards, "skipped": skips.to_dict()},
-    )

@@ -41,8 +41,8 @@ from torch import nn
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, text_config, validate_layer_ids
-from draftsmith.train.heads import Eagle1Head, Eagle3Head
-from draftsmith.train.layers import rope_kind
+from draftsmith.drafters.layers import rope_kind
+from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
 
 # Head kinds are named as vLLM's speculative_config ``method``.
 ARCHITECTURES = {"eagle3": "Eagle3LlamaForCausalLM", "eagle": "EagleLlamaForCausalLM"}

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, text_config
-from draftsmith.train.dflash import DFlashDrafter
-from draftsmith.train.headdir import card_text, layer_fields, section
+from draftsmith.drafters.dflash.model import DFlashDrafter
+from draftsmith.drafters.headfiles import card_text, layer_fields, section
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"

@@ -29,17 +29,17 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from draftsmith.train.acceptance import (
+from draftsmith.drafters.acceptance import (
     acceptance_from_counts,
     chain_counts,
     step_validity,
 )
-from draftsmith.train.dflash_blocks import accepted_lengths, sample_anchors, served_walk
-from draftsmith.train.dflash_train import merge
-from draftsmith.train.heads import Eagle3Head
-from draftsmith.train.layers import sdpa_attend
-from draftsmith.train.loss import ChunkedDraftLoss, Teacher, TTTLoss, teacher_argmax
-from draftsmith.train.ttt import document_causal_mask, shift_tokens
+from draftsmith.drafters.dflash.blocks import accepted_lengths, sample_anchors, served_walk
+from draftsmith.drafters.dflash.objective import merge
+from draftsmith.drafters.layers import sdpa_attend
+from draftsmith.drafters.llama import Eagle3Head
+from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, TTTLoss, teacher_argmax
+from draftsmith.drafters.ttt import document_causal_mask, shift_tokens
 
 
 def parallel_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, num_masks: int) -> Tensor:

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.train.heads import Eagle1Head, Eagle3Head
-from draftsmith.train.layers import repeat_kv
+from draftsmith.drafters.layers import repeat_kv
+from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
 
 AttentionImpl = Literal["auto", "blockwise", "efficient", "dense"]
 

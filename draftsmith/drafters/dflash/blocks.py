@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.train.acceptance import acceptance_from_counts, chain_counts
-from draftsmith.train.loss import ChunkedDraftLoss, Teacher, TTTLoss
+from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts
+from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, TTTLoss
 from draftsmith.train.packing import PAD_DOC_ID
 
 

@@ -31,9 +31,9 @@ from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.train.heads import Eagle1Head, Eagle3Head
-from draftsmith.train.layers import DecoderLayer
-from draftsmith.train.weights import load_target_layer
+from draftsmith.drafters.layers import DecoderLayer
+from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
+from draftsmith.drafters.target_weights import load_target_layer
 
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 SOURCE = {"hidden_norm.weight": "input_layernorm.weight"}  # draft key -> target layer key
