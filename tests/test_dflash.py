@@ -14,14 +14,11 @@ from helpers import fit_then_validate, serve_head
 
 from draftsmith.drafters.acceptance import acceptance_from_counts
 from draftsmith.drafters.dflash.blocks import (
-    accepted_lengths,
     anchor_candidates,
     block_inputs,
     block_loss,
     block_mask,
     default_gamma,
-    sample_anchors,
-    served_walk,
     slot_validity,
     slot_weights,
 )
@@ -33,6 +30,7 @@ from draftsmith.drafters.dflash.export import (
     write_mask_embedding,
 )
 from draftsmith.drafters.dflash.model import DFlashDrafter
+from draftsmith.drafters.walk import accepted_lengths, sample_anchors, served_walk
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 20  # the tiny recipe's drafter, trained until it drafts something
@@ -252,7 +250,8 @@ def test_mask_token_is_a_spare_id_when_the_vocabulary_has_one(smollm2_dir):
     from types import SimpleNamespace
 
     from draftsmith.core.errors import ConfigError
-    from draftsmith.drafters.dflash.objective import choose_mask_token, target_layer_ids
+    from draftsmith.drafters.dflash.objective import target_layer_ids
+    from draftsmith.drafters.vocab import choose_mask_token
 
     padded = SimpleNamespace(path=str(smollm2_dir), vocab_size=49152 + 64)
     assert choose_mask_token(padded, None, None) == (49152, True)  # first id past the tokenizer
@@ -271,11 +270,12 @@ def test_loss_vocab_restricts_training_not_validation(tiny_dataset):
 
     from draftsmith.core.errors import ConfigError
     from draftsmith.core.targets import eos_ids, read_target
-    from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+    from draftsmith.drafters.vocab import draft_vocab
+    from draftsmith.train.data import StatesDataModule, token_counts
     from draftsmith.train.module import DraftModule
 
     def fit(size: int) -> DraftModule:
-        dm = EagleDataModule(
+        dm = StatesDataModule(
             data=str(tiny_dataset), row_tokens=256, batch_size=2, val_fraction=0.25, num_workers=0
         )
         model = DraftModule(kind="dflash", block_size=4, num_anchors=16, loss_vocab_size=size)

@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.core.targets import read_target
-from draftsmith.drafters.headfiles import export_head, head_config
-from draftsmith.drafters.llama import from_target_config
+from draftsmith.drafters import export_head, from_target_config, head_config
 
 LAYER = [
     "self_attn.q_proj.weight",

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.headfiles import head_config
+from draftsmith.drafters import from_target_config, head_config
+from draftsmith.drafters.eagle1.head import Eagle1Head
+from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
-from draftsmith.drafters.llama import Eagle1Head, Eagle3Head, from_target_config
 from draftsmith.drafters.ttt import ttt_unroll
 
 TARGET = {

@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import read_target
-from draftsmith.drafters.llama import Eagle1Head, Eagle3Head, from_target_config
+from draftsmith.drafters import from_target_config
+from draftsmith.drafters.eagle1.head import Eagle1Head
+from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.target_init import init_from_target
 from draftsmith.drafters.target_weights import load_target_weights
 
@@ -146,7 +148,7 @@ def test_module_options_are_checked_and_wired(target) -> None:
 
 def test_new_options_fit_checkpoint_and_export(tmp_path, tiny_dataset) -> None:
     from draftsmith.cli import main as cli_main
-    from draftsmith.train.export import read_checkpoint
+    from draftsmith.train.checkpoints import read_checkpoint
     from draftsmith.train.main import main as train_main
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml"

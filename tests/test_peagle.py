@@ -11,10 +11,10 @@ import pytest
 import torch
 from helpers import fit_then_validate, serve_head
 
+from draftsmith.drafters import head_config, head_tensors
+from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.eagle3.parallel import parallel_forward, parallel_mask, parallel_targets
-from draftsmith.drafters.headfiles import head_config, head_tensors
 from draftsmith.drafters.layers import sdpa_attend
-from draftsmith.drafters.llama import Eagle3Head
 from draftsmith.drafters.ttt import shift_tokens
 
 ROOT = Path(__file__).resolve().parents[1]

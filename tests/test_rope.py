@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.headfiles import head_config
+from draftsmith.drafters import from_target_config, head_config
 from draftsmith.drafters.layers import RotaryEmbedding
-from draftsmith.drafters.llama import from_target_config, target_rope
+from draftsmith.drafters.llama import target_rope
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

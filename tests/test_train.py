@@ -14,8 +14,8 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.cli import main as cli_main
-from draftsmith.train.data import EagleDataModule
-from draftsmith.train.export import CheckpointError, read_checkpoint
+from draftsmith.train.checkpoints import CheckpointError, read_checkpoint
+from draftsmith.train.data import StatesDataModule
 from draftsmith.train.main import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +209,7 @@ def test_ddp_on_cpu_with_two_processes_splits_the_rows(tmp_path, tiny_dataset):
     loader_state = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert loader_state == {"epoch": 0, "batches_done": ckpt["global_step"]}
     data = yaml.safe_load(TINY.read_text())["data"]
-    dm = EagleDataModule(**{**data, "data": str(tiny_dataset), "batch_size": 1})
+    dm = StatesDataModule(**{**data, "data": str(tiny_dataset), "batch_size": 1})
     rows = dm.num_train_batches()  # one process, batch 1: one step per packed row
     assert rows >= 2 and ckpt["global_step"] == -(-rows // 2)
 

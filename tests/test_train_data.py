@@ -18,7 +18,8 @@ from draftsmith.dataset.reader import DatasetError, open_dataset
 from draftsmith.dataset.shards import write_shard
 from draftsmith.drafters.acceptance import step_validity
 from draftsmith.drafters.ttt import document_causal_mask, shift_tokens
-from draftsmith.train.data import EagleDataModule, draft_vocab, token_counts
+from draftsmith.drafters.vocab import draft_vocab
+from draftsmith.train.data import StatesDataModule, token_counts
 from draftsmith.train.packing import (
     PAD_DOC_ID,
     PackedDataset,
@@ -174,7 +175,7 @@ def test_aux_layers_choose_and_order_layers(dataset):
 
 def test_long_samples_are_truncated_and_counted(tmp_path, capsys):
     samples = write_dataset(tmp_path, [[20, 4, 11]])
-    dm = EagleDataModule(str(tmp_path), row_tokens=10, val_fraction=0.0, num_workers=0)
+    dm = StatesDataModule(str(tmp_path), row_tokens=10, val_fraction=0.0, num_workers=0)
     said = capsys.readouterr().out
     assert "2 of 3 samples are longer than data.row_tokens=10" in said
     assert "11 of 35 tokens" in said and "data.row_tokens to 20" in said
@@ -188,17 +189,17 @@ def test_long_samples_are_truncated_and_counted(tmp_path, capsys):
 def test_missing_last_layer_gives_teacher_error(tmp_path):
     write_dataset(tmp_path, [[3, 4]], layer_ids=[2, 4, 5])
     with pytest.raises(DatasetError, match=r"no last-layer states.*--layer_ids \[2, 4, 5, 8\]"):
-        EagleDataModule(str(tmp_path), num_workers=0)
+        StatesDataModule(str(tmp_path), num_workers=0)
     with pytest.raises(DatasetError, match="no last-layer states"):
         PackedDataset(open_dataset(tmp_path), [[0, 1]], 8)
 
 
 def test_missing_or_unfinished_dataset_errors(tmp_path):
     with pytest.raises(DatasetError, match="not a draftsmith dataset"):
-        EagleDataModule(str(tmp_path / "nowhere"))
+        StatesDataModule(str(tmp_path / "nowhere"))
     write_dataset(tmp_path / "partial", [[3]], complete=False)
     with pytest.raises(DatasetError, match="unfinished"):
-        EagleDataModule(str(tmp_path / "partial"))
+        StatesDataModule(str(tmp_path / "partial"))
 
 
 def test_val_split_is_disjoint_and_deterministic(dataset):
@@ -219,7 +220,7 @@ def test_val_split_is_disjoint_and_deterministic(dataset):
     assert len(conv) == 2  # 0.2 of the 12 conversations, each with all its samples
     assert not conv & {ids[i].partition("#")[0] for i in train}
     assert sum(ids[i].startswith(tuple(conv)) for i in val) == len(val)
-    dm = EagleDataModule(str(path), row_tokens=16, val_fraction=0.25, num_workers=0, seed=1)
+    dm = StatesDataModule(str(path), row_tokens=16, val_fraction=0.25, num_workers=0, seed=1)
     assert len(dm.val_indices) == 3
     val_rows = dm.val_dataloader().dataset.rows
     train_rows = dm.train_dataloader().dataset.rows
@@ -240,15 +241,15 @@ def assert_same_batches(a: list[dict], b: list[dict]) -> None:
 def test_workers_give_the_same_batches(dataset):
     path, _ = dataset
     kw = dict(row_tokens=10, batch_size=2, val_fraction=0.25, seed=5)
-    dm0 = EagleDataModule(str(path), num_workers=0, **kw)
-    dm2 = EagleDataModule(str(path), num_workers=2, **kw)
+    dm0 = StatesDataModule(str(path), num_workers=0, **kw)
+    dm2 = StatesDataModule(str(path), num_workers=2, **kw)
     assert_same_batches(batches(dm0.train_dataloader()), batches(dm2.train_dataloader()))
     assert_same_batches(batches(dm0.val_dataloader()), batches(dm2.val_dataloader()))
 
 
 def test_train_order_reshuffles_each_epoch(dataset):
     path, _ = dataset
-    dm = EagleDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
+    dm = StatesDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
     loader = dm.train_dataloader()
     first = batches(loader)
     assert len(first) >= 6
@@ -261,7 +262,7 @@ def test_train_order_reshuffles_each_epoch(dataset):
 
 def test_ranks_share_out_rows_and_resume_skips_finished_batches(dataset):
     path, _ = dataset
-    dm = EagleDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
+    dm = StatesDataModule(str(path), row_tokens=9, val_fraction=0.0, num_workers=0, seed=2)
     whole = dm.train_dataloader().sampler
     ranks = [RowSampler(whole.num_rows, 2, rank, 2) for rank in range(2)]
     for s in [whole, *ranks]:
@@ -274,13 +275,13 @@ def test_ranks_share_out_rows_and_resume_skips_finished_batches(dataset):
     )
 
     # A checkpoint taken after 2 batches of epoch 1 resumes with the rest of that epoch.
-    dm = EagleDataModule(
+    dm = StatesDataModule(
         str(path), row_tokens=9, batch_size=2, val_fraction=0.0, num_workers=0, seed=2
     )
     loader = dm.train_dataloader()
     loader.sampler.set_epoch(1)
     full = [b["input_ids"].tolist() for b in batches(loader)]
-    fresh = EagleDataModule(
+    fresh = StatesDataModule(
         str(path), row_tokens=9, batch_size=2, val_fraction=0.0, num_workers=0, seed=2
     ).train_dataloader()
     fresh.load_state_dict({"epoch": 1, "batches_done": 2})
@@ -296,7 +297,7 @@ def is_noisy(batch: dict) -> bool:
 
 def test_noise_only_on_training_batches(dataset):
     path, _ = dataset
-    dm = EagleDataModule(
+    dm = StatesDataModule(
         str(path), row_tokens=12, batch_size=16, val_fraction=0.0, num_workers=0, noise_std=0.5
     )
     batch = next(iter(dm.train_dataloader()))  # every row: some padding among them
@@ -333,7 +334,7 @@ class Recorder(pl.LightningModule):
 @pytest.mark.parametrize("val_fraction", [0.25, 0.0])
 def test_noise_in_a_real_fit_touches_training_batches_only(dataset, val_fraction):
     path, _ = dataset
-    dm = EagleDataModule(
+    dm = StatesDataModule(
         str(path), row_tokens=12, val_fraction=val_fraction, num_workers=0, noise_std=0.1
     )
     model = Recorder()
@@ -386,7 +387,7 @@ def test_draft_vocab_most_frequent_with_forced_ids():
 )
 def test_check_target_names_the_mismatch(dataset, field, value):
     path, _ = dataset
-    dm = EagleDataModule(str(path), num_workers=0)
+    dm = StatesDataModule(str(path), num_workers=0)
     assert (dm.hidden_size, dm.layer_ids, dm.aux_layer_ids) == (HIDDEN, LAYER_IDS, [2, 4, 5])
     assert dm.target_path == TARGET["path"] and dm.manifest["hidden_size"] == HIDDEN
     facts = dict(
@@ -402,7 +403,7 @@ def test_check_target_names_the_mismatch(dataset, field, value):
 
 def test_dtype_of_states(dataset):
     path, samples = dataset
-    dm = EagleDataModule(str(path), row_tokens=12, num_workers=0, dtype="bfloat16")
+    dm = StatesDataModule(str(path), row_tokens=12, num_workers=0, dtype="bfloat16")
     batch = next(iter(dm.train_dataloader()))
     assert batch["aux_states"].dtype == torch.bfloat16
     assert batch["teacher_states"].dtype == torch.bfloat16
@@ -411,7 +412,7 @@ def test_dtype_of_states(dataset):
 def test_val_data_validates_on_another_dataset_and_trains_on_all_of_data(tmp_path, dataset):
     path, samples = dataset
     val_samples = write_dataset(tmp_path / "val", [[4, 6, 3]])
-    dm = EagleDataModule(str(path), row_tokens=32, val_data=str(tmp_path / "val"), num_workers=0)
+    dm = StatesDataModule(str(path), row_tokens=32, val_data=str(tmp_path / "val"), num_workers=0)
     assert dm.train_indices == list(range(len(samples)))  # val_fraction is ignored
     assert dm.val_indices == [0, 1, 2]
     docs = [row[row >= 0] for batch in dm.val_dataloader() for row in batch["doc_ids"]]
@@ -420,15 +421,15 @@ def test_val_data_validates_on_another_dataset_and_trains_on_all_of_data(tmp_pat
     assert seen == sorted(len(s["input_ids"]) for s in val_samples)
     write_dataset(tmp_path / "other", [[4]], layer_ids=[1, 2, NUM_LAYERS])
     with pytest.raises(DatasetError, match="data.val_data: .*other has layer_ids"):
-        EagleDataModule(str(path), val_data=str(tmp_path / "other"), num_workers=0)
+        StatesDataModule(str(path), val_data=str(tmp_path / "other"), num_workers=0)
 
 
 def test_a_dataset_stopped_by_its_time_limit_is_read_whole_shards_only(tmp_path):
     samples = write_dataset(tmp_path / "ds", LENGTHS, complete=False)
     manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
     with pytest.raises(DatasetError, match="extraction is unfinished"):
-        EagleDataModule(str(tmp_path / "ds"), num_workers=0)
+        StatesDataModule(str(tmp_path / "ds"), num_workers=0)
     manifest["stopped_by"] = "time_limit"
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
-    dm = EagleDataModule(str(tmp_path / "ds"), val_fraction=0.0, num_workers=0)
+    dm = StatesDataModule(str(tmp_path / "ds"), val_fraction=0.0, num_workers=0)
     assert len(dm.dataset) == len(samples)

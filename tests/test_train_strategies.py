@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from draftsmith.cli import main as cli_main
-from draftsmith.train.export import read_checkpoint
+from draftsmith.train.checkpoints import read_checkpoint
 from draftsmith.train.main import main as train_main
 from draftsmith.train.strategies import CPUDeepSpeedStrategy, CPUFSDPStrategy, cpu_strategy
 

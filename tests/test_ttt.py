@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from helpers import LargestTensor
 
+from draftsmith.drafters.eagle1.head import Eagle1Head
+from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.layers import repeat_kv
-from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
 from draftsmith.drafters.ttt import (
     PrefixAttention,
     TTTAttention,

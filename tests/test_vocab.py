@@ -17,8 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.core.targets import read_target
-from draftsmith.drafters.headfiles import export_head
-from draftsmith.drafters.llama import from_target_config
+from draftsmith.drafters import export_head, from_target_config
 from draftsmith.drafters.target_weights import load_target_weights
 
 PAD = 64

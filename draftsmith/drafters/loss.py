@@ -278,13 +278,49 @@ def ttt_loss(
         valids.append(valid)
     seen, hit = chain_counts(torch.stack(corrects), torch.stack(valids))
     accepted = (torch.stack(corrects) & torch.stack(valids)).long().cumprod(0).sum(0)  # [B, T]
+    return loss_record(total, losses, accs, counts, seen, hit, stream_accepted=accepted)
+
+
+def loss_record(
+    total: Tensor,
+    losses: list[Tensor],
+    accuracies: list[Tensor],
+    counts: list[int] | Tensor,
+    seen: Tensor,
+    hit: Tensor,
+    stream_accepted: Tensor | None = None,
+) -> TTTLoss:
+    """The ``TTTLoss`` of one pass: per-draft-position lists stacked, acceptance from the
+    chain counts (``seen``, ``hit`` [K])."""
     return TTTLoss(
         loss=total,
         step_loss=torch.stack(losses),
-        step_accuracy=torch.stack(accs).float(),
-        step_count=torch.tensor(counts),
+        step_accuracy=torch.stack(accuracies).float(),
+        step_count=counts.cpu() if isinstance(counts, Tensor) else torch.tensor(counts),
         acceptance_length=acceptance_from_counts(seen, hit),
         chain_seen=seen,
         chain_hit=hit,
-        stream_accepted=accepted,
+        stream_accepted=stream_accepted,
     )
+
+
+def merge_records(parts: list[TTTLoss], seen: Tensor, hit: Tensor) -> tuple[Tensor, TTTLoss]:
+    """One (loss, TTTLoss) from passes over chunks of anchors, each weighted by its scored
+    drafts; acceptance from the served walk's counts (``walk.served_walk``)."""
+    dev = parts[0].loss.device
+    counts = torch.stack([p.step_count for p in parts]).float().to(dev)  # [n, K]
+    share = counts / counts.sum(0).clamp(min=1)
+    total = counts.sum(1) / counts.sum().clamp(min=1)
+    step_loss = sum(p.step_loss * w for p, w in zip(parts, share, strict=True))
+    step_accuracy = sum(p.step_accuracy * w for p, w in zip(parts, share, strict=True))
+    loss = sum(p.loss * float(w) for p, w in zip(parts, total, strict=True))
+    out = TTTLoss(
+        loss=loss,
+        step_loss=step_loss,
+        step_accuracy=step_accuracy,
+        step_count=counts.sum(0).long(),
+        acceptance_length=acceptance_from_counts(seen, hit).to(dev),
+        chain_seen=seen.to(dev),
+        chain_hit=hit.to(dev),
+    )
+    return loss, out

@@ -32,18 +32,11 @@ from torch import Tensor
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.layers import DecoderLayer
-from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
+from draftsmith.drafters.llama import LlamaDraftHead
 from draftsmith.drafters.target_weights import load_target_layer
 
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 SOURCE = {"hidden_norm.weight": "input_layernorm.weight"}  # draft key -> target layer key
-
-
-def draft_layers(head: Eagle3Head | Eagle1Head) -> list[DecoderLayer]:
-    """The head's decoder layers in order (EAGLE-3: ``midlayer`` first)."""
-    if isinstance(head, Eagle3Head):
-        return [head.midlayer, *head.layers.values()]
-    return list(head.layers)
 
 
 def copy_layer(layer: DecoderLayer, target: dict[str, Tensor], target_layer: int) -> None:
@@ -68,7 +61,7 @@ def copy_layer(layer: DecoderLayer, target: dict[str, Tensor], target_layer: int
         param.copy_(value)
 
 
-def pass_through_fc(head: Eagle3Head | Eagle1Head) -> None:
+def pass_through_fc(head: LlamaDraftHead) -> None:
     """``fc`` = identity on its last H input columns (EAGLE-3: the deepest tapped layer;
     EAGLE-1: the hidden half of ``cat(embeds, hidden)``), zero elsewhere."""
     weight = head.fc.weight  # [H, n_aux * H_target] or [H, 2H]
@@ -84,15 +77,13 @@ def pass_through_fc(head: Eagle3Head | Eagle1Head) -> None:
     weight[:, -hidden:] = torch.eye(hidden, dtype=weight.dtype, device=weight.device)
 
 
-def init_from_target(
-    head: Eagle3Head | Eagle1Head, target: TargetInfo, final_norm: Tensor
-) -> list[int]:
+def init_from_target(head: LlamaDraftHead, target: TargetInfo, final_norm: Tensor) -> list[int]:
     """Start ``head`` from ``target``'s top decoder layers (module docstring).
 
     ``final_norm`` [H] is the target's final norm weight (``TargetWeights.norm``). Returns the
     target layer ids copied, in draft-layer order.
     """
-    layers = draft_layers(head)
+    layers = head.decoder_layers()
     n = target.num_hidden_layers
     act = target.text_config.get("hidden_act", "silu")
     if act != "silu":
@@ -110,6 +101,6 @@ def init_from_target(
         for layer, i in zip(layers, ids, strict=True):
             copy_layer(layer, load_target_layer(target.path, i), i)
         pass_through_fc(head)
-        if isinstance(head, Eagle3Head):
+        if getattr(head, "norm", None) is not None:  # EAGLE-3's final norm: the target's
             head.norm.weight.copy_(final_norm)
     return ids

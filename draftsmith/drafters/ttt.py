@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from draftsmith.drafters.layers import repeat_kv
-from draftsmith.drafters.llama import Eagle1Head, Eagle3Head
+from draftsmith.drafters.llama import LlamaDraftHead
 
 AttentionImpl = Literal["auto", "blockwise", "efficient", "dense"]
 
@@ -239,7 +239,7 @@ class TTTAttention:
 
 
 def ttt_unroll(
-    head: Eagle3Head | Eagle1Head,
+    head: LlamaDraftHead,
     input_ids: Tensor,
     hidden_states: Tensor,
     position_ids: Tensor,

@@ -17,10 +17,11 @@ class EvalConfig:
     """Target: a Hugging Face model directory, a hub id, or an embedded name (smollm2-135m)."""
     head: str | None = None
     """Draft head directory in vLLM's format (from `draftsmith export`); null: baselines only."""
-    method: Literal["eagle3", "eagle", "dflash", "peagle"] | None = None
+    method: str | None = None
     """How vLLM runs the head: eagle3 (fused low/mid/high states), eagle (EAGLE-1), dflash
-    (a block drafted in one pass) or peagle (EAGLE-3 drafting every position in one pass,
-    vLLM's parallel_drafting); null: the kind the head's config.json names."""
+    (a block drafted in one pass), peagle (EAGLE-3 drafting every position in one pass,
+    vLLM's parallel_drafting), or another registered kind's method; null: the kind the
+    head's config.json names."""
     k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     """Draft lengths (num_speculative_tokens) to report."""
     derive_k: bool = True

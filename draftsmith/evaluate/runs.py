@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.evaluate.checks import HEAD_METHODS
+from draftsmith import drafters
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tokens_per_step
 
@@ -33,10 +33,9 @@ class Method:
         spec: dict = {"method": self.name, "num_speculative_tokens": self.k}
         if self.name == "ngram":
             spec["prompt_lookup_min"], spec["prompt_lookup_max"] = cfg.ngram_lookup
-        elif self.name in HEAD_METHODS:
-            spec["model"] = cfg.head
-            if self.name == "peagle":  # P-EAGLE is vLLM's eagle3 drafting in parallel
-                spec.update(method="eagle3", parallel_drafting=True)
+        elif self.name in drafters.head_methods():  # the head's kind says how vLLM serves it
+            kind = drafters.kind_of_method(self.name)
+            spec = kind.speculative_config(self.name, cfg.head, self.k)
         elif self.name == "draft_model":
             spec["model"] = cfg.draft_model
         return spec

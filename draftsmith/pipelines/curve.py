@@ -20,10 +20,10 @@ import yaml
 
 def train_tokens(train_dir: Path) -> int:
     """Tokens of the samples that trained the head of a train stage (its ``stage.yaml``)."""
-    from draftsmith.train.data import EagleDataModule
+    from draftsmith.train.data import StatesDataModule
 
     data = yaml.safe_load((train_dir / "stage.yaml").read_text())["data"]
-    dm = EagleDataModule(**data)
+    dm = StatesDataModule(**data)
     return sum(dm.dataset.lengths[i] for i in dm.train_indices)
 
 

@@ -24,11 +24,11 @@ from typing import Any
 
 import yaml
 
+from draftsmith import drafters
 from draftsmith.core.config import parse_config, section_overrides, set_dotted
 from draftsmith.core.console import say
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
-from draftsmith.evaluate.checks import HEAD_METHODS
 from draftsmith.pipelines import curve
 from draftsmith.pipelines.config import (
     SECTIONS,
@@ -123,7 +123,7 @@ def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict
         for run_ in json.loads(results.read_text())["runs"]:
             if run_["dataset"] != cfg.dataset or run_["k"] != cfg.k:
                 continue
-            prefix = "head" if run_["method"] in HEAD_METHODS else run_["method"]
+            prefix = "head" if run_["method"] in drafters.head_methods() else run_["method"]
             row[f"{prefix}_acceptance_length"] = run_["acceptance_length"]
             row[f"{prefix}_tokens_per_step"] = run_["tokens_per_step"]
             row[f"{prefix}_per_position"] = run_["per_position"]

@@ -26,7 +26,7 @@ import torch
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import exit_code
 from draftsmith.core.targets import read_target
-from draftsmith.drafters.llama import from_target_config
+from draftsmith.drafters import from_target_config
 from draftsmith.drafters.loss import ttt_loss
 from draftsmith.drafters.target_weights import load_target_weights
 from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll

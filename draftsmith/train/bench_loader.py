@@ -2,7 +2,7 @@
 
 Writes synthetic shards in the real on-disk format (``write_shard``, sidecars, plan and
 ``build_manifest``, as ``draftsmith extract`` does) with a target's shapes, then times
-passes of the training loader over them (``EagleDataModule.train_dataloader``: open the
+passes of the training loader over them (``StatesDataModule.train_dataloader``: open the
 dataset, page samples in from the memory maps, decode, pack rows, collate, and copy into
 pinned memory where CUDA makes pinning possible), for each storage dtype, page cache state
 (cold: every shard evicted first and checked with ``mincore``; warm: read once first) and
@@ -154,12 +154,12 @@ def write_synthetic(
 
 def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
     """Open the dataset and read every packed row once through the training loader."""
-    from draftsmith.train.data import EagleDataModule
+    from draftsmith.train.data import StatesDataModule
     from draftsmith.train.packing import PAD_DOC_ID
 
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    module = EagleDataModule(
+    module = StatesDataModule(
         str(data),
         row_tokens=cfg.row_tokens,
         batch_size=cfg.batch_size,

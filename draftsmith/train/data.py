@@ -65,26 +65,7 @@ def token_counts(
     return counts
 
 
-def draft_vocab(counts: Tensor, size: int, always: list[int] | None = None) -> Tensor:
-    """The ``size`` target ids of the draft vocabulary, ascending: every id in ``always``
-    (e.g. EOS / end of turn), then the most frequent ids by ``counts`` [V], ties by lower id."""
-    forced = list(dict.fromkeys(int(i) for i in always or []))
-    if not 0 < size <= counts.numel() or len(forced) > size:
-        raise ValueError(
-            f"draft vocab size {size} must be in [1, {counts.numel()}] and >= the "
-            f"{len(forced)} always-included ids"
-        )
-    if any(not 0 <= i < counts.numel() for i in forced):
-        raise ValueError(f"always-included ids {forced} must be in [0, {counts.numel()})")
-    order = torch.sort(counts, descending=True, stable=True).indices  # ties: lower id first
-    chosen = torch.zeros(counts.numel(), dtype=torch.bool)
-    chosen[forced] = True
-    rest = order[~chosen[order]][: size - len(forced)]
-    chosen[rest] = True
-    return chosen.nonzero().squeeze(1)
-
-
-class EagleDataModule(pl.LightningDataModule):
+class StatesDataModule(pl.LightningDataModule):
     """Packed rows of a draftsmith dataset for training a draft head (batch: module doc).
 
     Args:

@@ -1,4 +1,4 @@
-"""`draftsmith train`: the Lightning CLI over ``DraftModule`` and ``EagleDataModule``.
+"""`draftsmith train`: the Lightning CLI over ``DraftModule`` and ``StatesDataModule``.
 
     draftsmith train fit --config configs/train/smollm2.yaml
     draftsmith train fit --config configs/train/smollm2.yaml --model.ttt_steps 3
@@ -30,8 +30,8 @@ from draftsmith.core.config import parse_errors
 from draftsmith.core.console import say, stage_log
 from draftsmith.core.cores import avoid_busy_cores
 from draftsmith.core.errors import ConfigError, exit_code
-from draftsmith.train.data import EagleDataModule
-from draftsmith.train.module import DraftModule
+from draftsmith.train.data import StatesDataModule
+from draftsmith.train.module import DraftModule, cli_signature
 from draftsmith.train.progress import ConsoleProgress
 from draftsmith.train.strategies import GPU_ONLY, cpu_strategy, runs_on_cpu
 
@@ -50,6 +50,11 @@ class TrainCLI(LightningCLI):
 
     exit_stack: contextlib.ExitStack  # holds the stage log open until the run ends
     dry_run = False  # parse and check only: nothing is instantiated, written or run
+
+    def setup_parser(self, *args: Any, **kwargs: Any) -> None:
+        """The parser, with every drafter kind registered by now and its options."""
+        with cli_signature():
+            super().setup_parser(*args, **kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, then send this process's logs to ``<default_root_dir>/train.log``."""
@@ -143,11 +148,11 @@ def run_stage(args: list[str] | dict[str, Any] | None, dry_run: bool = False) ->
         TrainCLI.exit_stack, TrainCLI.dry_run = stack, dry_run
         cli = TrainCLI(
             DraftModule,
-            EagleDataModule,
+            StatesDataModule,
             args=args,
             trainer_defaults={
                 "precision": "bf16-mixed" if on_gpu else "32-true",
-                "use_distributed_sampler": False,  # EagleDataModule deals rows to ranks itself
+                "use_distributed_sampler": False,  # StatesDataModule deals rows to ranks itself
                 "log_every_n_steps": 10,
             },
             save_config_kwargs={"overwrite": True},

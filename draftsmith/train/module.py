@@ -1,85 +1,56 @@
-"""The Lightning module that trains a draft head with training-time test (TTT).
+"""The Lightning module that trains a draft head: the loop, whatever the drafter kind.
 
-Per batch (keys in ``data.py``): the teacher is the target's own next-token distribution,
-``softmax(lm_head(final_norm(layer N)))``, computed here from the stored last-layer state and
-the target's frozen norm and lm_head, never stored. The head is unrolled ``ttt_steps`` times
-(``ttt.py``); step k's loss is the soft cross-entropy (``loss: kl``), the total variation
-(``tv``) or their blend against the teacher over the draft vocabulary (``loss.py``), weighted
-``loss_decay**k``. EAGLE-1 adds a smooth-L1 regression of its output on the target's next
-(final-normed) state, as in the EAGLE paper. ``init_from_target`` starts the head from the
-target's top layers (``init.py``).
+The kind (``model.kind``: a folder of ``draftsmith.drafters``) gives the head, its objective
+and its validation walk (``drafters/protocol.py``); this module builds it once the dataset is
+known, holds the frozen target tensors every objective shares (the teacher's final norm and
+lm_head: the teacher is the target's own next-token distribution,
+``softmax(lm_head(final_norm(layer N)))``, computed from the stored last-layer state, never
+stored), logs, checkpoints and optimises. It never asks which kind it trains.
 
-The head itself is a plain ``nn.Module`` (``heads.py``) built in ``setup`` once the dataset is
-known, so that ``draftsmith export`` can rebuild it from a checkpoint alone (see ``checkpoint.py``).
+``model.*`` options: ``kind``, ``target`` and the optimiser's are this module's own; every
+other one belongs to one or more kinds (``drafters.option_fields``) and is passed to the kind
+as its ``Options``. The CLI's signature is built from the registry (``cli_signature``), so a
+kind registered before ``draftsmith train`` runs brings its options with it.
+
+The head itself is a plain ``nn.Module`` built in ``setup``, so that ``draftsmith export`` can
+rebuild it from a checkpoint alone (``checkpoints.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import inspect
 import time
+import typing
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 
-from draftsmith.core.console import say
-from draftsmith.core.errors import ConfigError, DatasetError
-from draftsmith.core.targets import TargetInfo, eos_ids, read_target
-from draftsmith.drafters.acceptance import acceptance_from_counts, step_validity
-from draftsmith.drafters.dflash.blocks import served_walk
-from draftsmith.drafters.dflash.objective import (
-    build_dflash,
-    choose_mask_token,
-    dflash_forward_loss,
-)
-from draftsmith.drafters.eagle3.parallel import peagle_forward_loss
-from draftsmith.drafters.llama import from_target_config
-from draftsmith.drafters.loss import LossKind, objective_weights, teacher_argmax, ttt_loss
-from draftsmith.drafters.target_init import init_from_target
+from draftsmith import drafters
+from draftsmith.core.errors import ConfigError
+from draftsmith.core.targets import TargetInfo, read_target
+from draftsmith.drafters.acceptance import acceptance_from_counts
+from draftsmith.drafters.batch import PAD_DOC_ID
+from draftsmith.drafters.protocol import TrainingData
 from draftsmith.drafters.target_weights import load_target_weights
-from draftsmith.drafters.ttt import ttt_unroll
-from draftsmith.train.data import EagleDataModule, draft_vocab
-from draftsmith.train.packing import PAD_DOC_ID
+from draftsmith.train.checkpoints import CHECKPOINT_KEY
+from draftsmith.train.data import StatesDataModule
 from draftsmith.train.schedule import adamw_with_schedule
-
-CHECKPOINT_KEY = "draftsmith"
-
-
-def default_draft_vocab_size(vocab_size: int) -> int:
-    """Full vocabulary up to 32k ids; 32k above (Llama-3's 128k, Qwen's 151k)."""
-    return min(vocab_size, 32_000)
 
 
 class DraftModule(pl.LightningModule):
-    """Train an EAGLE-3, EAGLE-1 or DFlash head for the target a dataset was extracted from.
+    """Train a draft head of any registered kind for the target a dataset was extracted from.
 
     Args:
-        kind: ``eagle3`` (fused low/mid/high states, reduced draft vocabulary) or ``eagle``
+        kind: the drafter kind, named as vLLM's method: ``eagle3`` (fused low/mid/high states,
+            reduced draft vocabulary; P-EAGLE with ``parallel_drafting``), ``eagle``
             (EAGLE-1: the target's final state, the target's lm_head) or ``dflash`` (a block
-            drafted in one pass, ``dflash_train.py``); vLLM's method names.
+            drafted in one pass); any kind registered in ``draftsmith.drafters``.
         target: the target model (directory, hub id or short name); default: the dataset's.
-        num_layers: decoder layers in the head.
-        ttt_steps: K, draft steps unrolled per batch (training-time test).
-        loss_decay: step k's loss weight is ``loss_decay ** k``.
-        loss: per-token objective against the teacher: ``kl`` (soft cross-entropy), ``tv``
-            (total variation ``0.5 * sum |p_draft - p_teacher|``; a sampled draft token is
-            accepted with probability 1 - TV) or ``kl_tv`` (``(1 - tv_weight) * kl +
-            tv_weight * tv``).
-        tv_weight: ``kl_tv``: the weight of TV, in [0, 1].
-        draft_vocab_size: EAGLE-3 draft vocabulary: the most frequent loss-masked tokens of
-            the dataset (EOS always kept). Default: the full vocabulary up to 32k ids, else 32k.
-        train_lm_head: EAGLE-3: train the draft lm_head (it starts from the target's rows).
-        init_from_target: start the draft's decoder layers as copies of the target's last
-            ``num_layers`` layers, ``fc`` passing the deepest tapped layer through (EAGLE-1:
-            the hidden half) and EAGLE-3's final norm as the target's; details in ``init.py``.
-            Needs the head's hidden size to equal the target's. Default: random init.
-        norm_before_fc: EAGLE-3: one RMSNorm over the fused tapped states before ``fc``
-            (vLLM's ``norm_before_fc``, weight ``input_norm.weight``).
-        fc_norm: EAGLE-3: one RMSNorm per tapped state before ``fc`` (vLLM's ``fc_norm``,
-            weights ``fc_norm.{i}.weight``); after ``norm_before_fc`` when both are on.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr``.
@@ -87,84 +58,38 @@ class DraftModule(pl.LightningModule):
         anneal_to_time_cap: with ``trainer.max_time`` set, the cosine follows whichever is
             further along, optimizer steps or the time cap, so a run the cap stops before
             ``max_epochs`` still ends at ``min_lr_ratio * lr`` (the demo stops this way).
-        regression_weight: EAGLE-1: weight of the smooth-L1 feature loss.
-        ce_weight: EAGLE-1: weight of the cross-entropy (the EAGLE paper uses 0.1).
-        loss_chunk_size: tokens per chunk of logits in the loss (bounds peak memory).
-        attention: TTT attention: ``auto`` (blockwise on CPU, efficient on GPU), ``blockwise``,
-            ``efficient`` (SDPA; O(T) per step) or ``dense`` (reference).
-        block_size: DFlash: slots per block, the anchor plus ``block_size - 1`` drafts (serve
-            with ``num_speculative_tokens`` = block_size - 1).
-        num_anchors: DFlash and P-EAGLE: blocks per packed row, anchored at random response
-            tokens.
-        mask_token_id: DFlash and P-EAGLE: the mask slots' token id; null: a spare id past
-            the tokenizer, else one unused in the responses (``dflash_train.py``).
-        train_mask_embedding: DFlash: learn the mask slots' input vector (exported as
-            ``mask_embedding.pt``); null: unless the mask id is spare with a non-zero row.
-        loss_decay_gamma: DFlash: slot i >= 1 weighs ``exp(-(i - 1) / gamma)``; null: the
-            paper's 7 / 5 / 4 for block sizes 16 / 10 / 8 and below.
-        parallel_drafting: EAGLE-3: train a P-EAGLE head that drafts all ``ttt_steps`` tokens
-            in one pass (vLLM's ``parallel_drafting``; ``peagle.py``), with ``num_anchors`` mask
-            blocks per row and the mask token chosen as for DFlash (``mask_token_id``).
-        loss_vocab_size: DFlash: score the training loss over the most frequent loss-masked
-            tokens only (EOS kept), like an EAGLE-3 draft vocabulary: the loss's cost falls
-            with it. Drafting and validation still use the full vocabulary. Null: all ids.
+        options: the kind's options (``drafters.option_fields``; ``--help`` lists them).
     """
 
     def __init__(
         self,
-        kind: Literal["eagle3", "eagle", "dflash"] = "eagle3",
+        kind: str = "eagle3",
         target: str | None = None,
-        num_layers: int = 1,
-        ttt_steps: int = 7,
-        loss_decay: float = 0.8,
-        loss: LossKind = "kl",
-        tv_weight: float = 0.5,
-        draft_vocab_size: int | None = None,
-        train_lm_head: bool = True,
-        init_from_target: bool = False,
-        norm_before_fc: bool = False,
-        fc_norm: bool = False,
         lr: float = 3e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         min_lr_ratio: float = 0.1,
         anneal_to_time_cap: bool = True,
-        regression_weight: float = 1.0,
-        ce_weight: float = 0.1,
-        loss_chunk_size: int = 1024,
-        attention: Literal["auto", "blockwise", "efficient", "dense"] = "auto",
-        block_size: int = 8,
-        num_anchors: int = 128,
-        mask_token_id: int | None = None,
-        train_mask_embedding: bool | None = None,
-        loss_decay_gamma: float | None = None,
-        parallel_drafting: bool = False,
-        loss_vocab_size: int | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        if ttt_steps < 1 or not 0 < loss_decay <= 1 or lr <= 0:
-            raise ConfigError(
-                f"model: need ttt_steps >= 1, 0 < loss_decay <= 1 and lr > 0; got "
-                f"ttt_steps={ttt_steps}, loss_decay={loss_decay}, lr={lr}"
-            )
-        objective_weights(loss, tv_weight)  # refuses an unknown loss or a bad tv_weight
-        for name, on in (("norm_before_fc", norm_before_fc), ("fc_norm", fc_norm)):
-            if on and kind != "eagle3":
-                raise ConfigError(
-                    f"model.{name}: normalises EAGLE-3's fused tapped states; set it false "
-                    f"for model.kind {kind}"
-                )
-        if loss_vocab_size is not None and kind != "dflash":
-            raise ConfigError(
-                f"model.loss_vocab_size: restricts DFlash's loss; model.kind {kind} has "
-                "model.draft_vocab_size instead. Set loss_vocab_size null"
-            )
-        if parallel_drafting and kind != "eagle3":
-            raise ConfigError(
-                f"model.parallel_drafting: P-EAGLE drafts with an EAGLE-3 head; set model.kind "
-                f"eagle3 (got {kind}) or parallel_drafting false"
-            )
-        self.save_hyperparameters()
+        if lr <= 0:
+            raise ConfigError(f"model.lr: {lr}; give a positive learning rate")
+        self.drafter = drafters.make(kind, options)
+        every = {name: spec[1] for name, spec in drafters.option_fields().items()}
+        self.save_hyperparameters(
+            {
+                "kind": kind,
+                "target": target,
+                **every,
+                **options,
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "warmup_steps": warmup_steps,
+                "min_lr_ratio": min_lr_ratio,
+                "anneal_to_time_cap": anneal_to_time_cap,
+            }
+        )
         self.head: torch.nn.Module | None = None
         self.info: dict[str, Any] = {}  # what export needs: saved in every checkpoint
         self._val_seen: Tensor | None = None
@@ -173,33 +98,16 @@ class DraftModule(pl.LightningModule):
 
     # ----- building -------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        """Check dataset against target, build the head, pick the draft vocabulary."""
+        """Check dataset against target, build the head, fit it to the data."""
         if self.head is not None:
             return
         dm = self.trainer.datamodule if self._trainer is not None else None
-        if not isinstance(dm, EagleDataModule):
-            raise TypeError("DraftModule trains on an EagleDataModule (the `data:` section)")
+        if not isinstance(dm, StatesDataModule):
+            raise TypeError("DraftModule trains on a StatesDataModule (the `data:` section)")
         target = read_target(self.hparams.target or dm.target_path)
         dm.check_target(target)
-        if self.hparams.kind == "dflash":
-            build_dflash(self, target, dm)
-        else:
-            mask_id = None
-            if self.hparams.parallel_drafting:
-                mask_id, spare = choose_mask_token(target, dm, self.hparams.mask_token_id)
-                how = "a spare id past the tokenizer" if spare else "an id unused in the responses"
-                say(f"train: P-EAGLE mask token {mask_id} ({how}), trained mask_hidden")
-            self.build(target, dm.aux_layer_ids, dm.teacher_layer_id, mask_id)
-        if self.hparams.kind == "eagle3":
-            counts = dm.train_token_counts(target.vocab_size)
-            ids = draft_vocab(counts, self.head.draft_vocab_size, eos_ids(target.config))
-            self.set_draft_vocab(ids)
-            covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
-            self.info["draft_vocab_coverage"] = round(covered, 6)
-            say(
-                f"train: draft vocabulary of {ids.numel():,} ids covers {covered:.2%} of the "
-                "loss tokens"
-            )
+        self.build(target, dm.aux_layer_ids, dm.teacher_layer_id, dm)
+        self.info.update(self.drafter.fit_to_data(self, target, dm))
         self.info["data"] = {
             "path": str(dm.data),
             "val_data": dm.val_data,
@@ -214,66 +122,20 @@ class DraftModule(pl.LightningModule):
         target: TargetInfo,
         aux_layer_ids: list[int],
         teacher_layer_id: int,
-        mask_token_id: int | None = None,
+        data: TrainingData | None = None,
     ) -> None:
         """Build the head for ``target`` and load the frozen target tensors it shares
-        (``mask_token_id``: P-EAGLE's mask slots)."""
-        kind = self.hparams.kind
-        n = target.num_hidden_layers
-        if kind == "eagle" and aux_layer_ids != [n]:
-            raise DatasetError(
-                f"data.aux_layers: EAGLE-1 reads the target's last layer only; set "
-                f"data.aux_layers [{n}] (got {aux_layer_ids})"
-            )
-        if kind == "eagle3" and teacher_layer_id in aux_layer_ids:
-            raise DatasetError(f"data.aux_layers: {aux_layer_ids} must not include layer {n}")
-        vocab = target.vocab_size
-        hp = self.hparams
-        options: dict[str, Any] = {"num_layers": hp.num_layers}
-        if kind == "eagle3":
-            size = (
-                default_draft_vocab_size(vocab)
-                if hp.draft_vocab_size is None
-                else hp.draft_vocab_size
-            )
-            if size < 1:
-                raise ConfigError(
-                    f"model.draft_vocab_size: {size}; give a positive size or null (the "
-                    f"target's vocabulary up to {default_draft_vocab_size(vocab):,} ids)"
-                )
-            if size > vocab:  # a draft vocabulary larger than the target's is the target's
-                say(f"train: model.draft_vocab_size {size} > the target's vocabulary {vocab}: "
-                    f"using all {vocab} ids")  # fmt: skip
-                size = vocab
-            options.update(draft_vocab_size=size, num_aux_states=len(aux_layer_ids))
-            options.update(norm_before_fc=hp.norm_before_fc, fc_norm=hp.fc_norm)
-            if hp.parallel_drafting:
-                options.update(parallel_drafting=True, mask_token_id=mask_token_id)
-        head = from_target_config(target.config, kind, **options)
+        (``data``: the training data; None: the layer ids alone, nothing read from tokens)."""
+        data = data or LayersOnly(aux_layer_ids, teacher_layer_id)
         weights = load_target_weights(target)
-        head.set_embeddings(weights.embed)
-        if kind == "eagle":
-            head.set_lm_head(weights.lm_head)
-        if hp.init_from_target:
-            self.info["init_from_target_layers"] = init_from_target(head, target, weights.norm)
+        built = self.drafter.build(target, data, weights)
         self.norm_eps = weights.norm_eps
         self.register_buffer("target_lm_head", weights.lm_head, persistent=False)
         self.register_buffer("target_norm", weights.norm, persistent=False)
-        self.head = head
-        self.info.update(
-            kind=kind,
-            target=target.path,
-            head_kwargs=head.init_kwargs,
-            layer_ids=aux_layer_ids if kind == "eagle3" else None,
-        )
-
-    def set_draft_vocab(self, target_ids: Tensor) -> None:
-        """Use ``target_ids`` as the draft vocabulary; the draft lm_head starts from their
-        target rows (and stays frozen unless ``train_lm_head``)."""
-        self.head.set_draft_vocab(target_ids)
-        with torch.no_grad():
-            self.head.lm_head.weight.copy_(self.target_lm_head[target_ids.to(self.device)])
-        self.head.lm_head.weight.requires_grad_(self.hparams.train_lm_head)
+        for name, tensor in built.buffers.items():
+            self.register_buffer(name, tensor, persistent=False)
+        self.head = built.head
+        self.info.update(kind=self.drafter.name, target=target.path, **built.info)
 
     # ----- checkpoints ----------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -283,15 +145,7 @@ class DraftModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.head is None:
             raise RuntimeError("load checkpoints through the trainer (ckpt_path) or export")
-        if self.hparams.kind != "eagle3":
-            return
-        state = checkpoint.get("state_dict")
-        if state is None:  # FSDP / DeepSpeed loaded the weights and d2t themselves: redo t2d
-            d2t = self.head.d2t
-            self.head.set_draft_vocab(d2t + torch.arange(d2t.numel(), device=d2t.device))
-        elif "head.d2t" in state:  # (a full-vocabulary head stores no d2t)
-            d2t = state["head.d2t"]
-            self.set_draft_vocab(d2t + torch.arange(d2t.numel(), device=d2t.device))
+        self.drafter.restore(self.head, checkpoint.get("state_dict"))
 
     # ----- the objective --------------------------------------------------------------
     def teacher(self, batch: dict[str, Tensor]) -> Tensor:
@@ -300,64 +154,8 @@ class DraftModule(pl.LightningModule):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.target_norm
         return x.to(batch["teacher_states"].dtype)
 
-    def forward_loss(self, batch: dict[str, Tensor], full_vocab_top1: bool):
-        """TTT unroll + loss; returns (total loss, ``TTTLoss``)."""
-        if self.hparams.kind == "dflash":  # blocks of slots instead of steps
-            return dflash_forward_loss(self, batch)
-        if self.hparams.parallel_drafting:  # P-EAGLE: one pass drafts every position
-            return peagle_forward_loss(self, batch, full_vocab_top1)
-        hp, head = self.hparams, self.head
-        teacher = self.teacher(batch)
-        states = batch["aux_states"]
-        if hp.kind == "eagle":
-            states = teacher  # EAGLE-1 reads the target's final-normed state
-        steps = ttt_unroll(
-            head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
-            hp.ttt_steps, hp.attention,
-        )  # fmt: skip
-        if hp.kind == "eagle3":
-            ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=self.device))
-            teacher_weight, to_draft = self.target_lm_head[ids], head.target_to_draft_index()
-        else:
-            teacher_weight, to_draft = self.target_lm_head, None
-        top1 = None
-        if full_vocab_top1:  # accuracy as vLLM judges it: the target's argmax over all ids
-            top1 = teacher_argmax(teacher, self.target_lm_head, to_draft, hp.loss_chunk_size)
-        out = ttt_loss(
-            steps, head.logits_weight, teacher, teacher_weight, batch["loss_mask"],
-            batch["doc_ids"], top1, hp.loss_decay, hp.loss_chunk_size,
-            loss=hp.loss, tv_weight=hp.tv_weight,
-        )  # fmt: skip
-        if not self.training:  # the acceptance vLLM serves: chains where the last one ended
-            accepted = torch.zeros_like(batch["input_ids"])
-            accepted[:, 1:] = out.stream_accepted[:, :-1]  # stream t's bonus token is x_{t+1}
-            seen, hit = served_walk(accepted, batch["loss_mask"], batch["doc_ids"], hp.ttt_steps)
-            out = dataclasses.replace(
-                out,
-                chain_seen=seen,
-                chain_hit=hit,
-                acceptance_length=acceptance_from_counts(seen, hit),
-            )
-        loss = out.loss
-        if hp.kind == "eagle":
-            loss = hp.ce_weight * loss + hp.regression_weight * self.regression(
-                steps, teacher, batch
-            )
-        return loss, out
-
-    def regression(self, steps: list[Tensor], teacher: Tensor, batch: dict[str, Tensor]) -> Tensor:
-        """EAGLE-1: smooth-L1 of step k's output at t on the target state at t+k+1."""
-        total = teacher.new_zeros((), dtype=torch.float32)
-        for k, out in enumerate(steps):
-            valid = step_validity(batch["loss_mask"], batch["doc_ids"], k)  # [B, T]
-            b, t = valid.nonzero(as_tuple=True)
-            if b.numel():
-                err = F.smooth_l1_loss(out[b, t].float(), teacher[b, t + k + 1].float())
-                total = total + self.hparams.loss_decay**k * err
-        return total
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, out = self.forward_loss(batch, full_vocab_top1=False)
+        loss, out = self.drafter.loss(self, batch)
         logs = {
             "train/loss": loss,
             "train/acceptance_length": out.acceptance_length,
@@ -383,13 +181,12 @@ class DraftModule(pl.LightningModule):
         self._last_batch_end = None
 
     def on_validation_epoch_start(self) -> None:
-        hp = self.hparams
-        k = hp.block_size - 1 if hp.kind == "dflash" else hp.ttt_steps
+        k = self.drafter.walk_length()
         self._val_seen = torch.zeros(k, dtype=torch.long, device=self.device)
         self._val_hit = torch.zeros(k, dtype=torch.long, device=self.device)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss, out = self.forward_loss(batch, full_vocab_top1=True)
+        loss, out = self.drafter.loss(self, batch)
         logs = {"val/loss": loss}
         for k in range(len(out.step_loss)):
             logs[f"val/loss_{k}"] = out.step_loss[k]
@@ -449,3 +246,41 @@ class DraftModule(pl.LightningModule):
             min_lr_ratio=hp.min_lr_ratio,
             time_progress=self.time_progress,
         )
+
+
+class LayersOnly:
+    """Training data known by its layer ids alone (``DraftModule.build`` without a dataset)."""
+
+    def __init__(self, aux_layer_ids: list[int], teacher_layer_id: int) -> None:
+        self.aux_layer_ids, self.teacher_layer_id = aux_layer_ids, teacher_layer_id
+
+    def train_token_counts(self, vocab_size: int) -> Tensor:
+        raise ConfigError("this drafter choice reads the dataset's tokens; train with `data:`")
+
+
+@contextlib.contextmanager
+def cli_signature() -> Iterator[None]:
+    """While the CLI builds its parser, give ``DraftModule`` the signature and docstring it
+    reads: its own arguments, ``kind`` as a choice of the registered kinds, then every kind's
+    options (typed, with defaults and docs). Lightning's ``save_hyperparameters`` reads the
+    real signature (``**options``) again once the parser is built."""
+    own = inspect.signature(DraftModule.__init__).parameters
+    params = [p for p in own.values() if p.kind is not p.VAR_KEYWORD]
+    params = [
+        p.replace(annotation=Literal[tuple(drafters.names())]) if p.name == "kind" else p
+        for p in params
+    ]
+    doc = [DraftModule.__doc__.split("        options:")[0].rstrip()]
+    for name, (_, default, text, owners) in drafters.option_fields().items():
+        hint = typing.get_type_hints(drafters.get(owners[0]).Options)[name]
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(name, keyword, default=default, annotation=hint))
+        doc.append(f"        {name}: ({', '.join(owners)}) {text}")
+    saved = DraftModule.__doc__
+    DraftModule.__init__.__signature__ = inspect.Signature(params)
+    DraftModule.__doc__ = "\n".join(doc) + "\n"
+    try:
+        yield
+    finally:
+        del DraftModule.__init__.__signature__
+        DraftModule.__doc__ = saved

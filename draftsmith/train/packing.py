@@ -1,18 +1,7 @@
 """Packing: samples of a draftsmith dataset as fixed-length rows, dealt to ranks, resumable.
 
 A row holds whole samples ("documents") back to back, ``row_tokens`` tokens in all, then
-padding. Batch convention (B rows of T = ``row_tokens`` tokens, target hidden size H):
-
-- ``input_ids`` long [B, T]: token ids; 0 on padding.
-- ``aux_states`` [B, T, n_aux * H]: the tapped layers that feed the head (``aux_layer_ids``,
-  by default every tapped layer but the last), concatenated in ascending layer-id order.
-- ``teacher_states`` [B, T, H]: layer id N = the target's ``num_hidden_layers``, i.e. its
-  last layer's output before the final norm; row p is the state that predicts x_{p+1}.
-- ``position_ids`` long [B, T]: 0, 1, ... restarting at every document (and at the padding).
-- ``doc_ids`` long [B, T]: 0, 1, ... for the documents of a row; ``PAD_DOC_ID`` (-1) on
-  padding, so that padding never attends to, or is attended by, a real token
-  (``ttt.document_causal_mask``) and no shifted token or label crosses into it.
-- ``loss_mask`` bool [B, T]: true on assistant tokens; false on padding.
+padding. The batch each row becomes is described in ``draftsmith.drafters.batch``.
 """
 
 from __future__ import annotations
@@ -28,8 +17,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.memory import keep_freed_memory
 from draftsmith.dataset import DatasetError, HiddenStatesDataset
-
-PAD_DOC_ID = -1
+from draftsmith.drafters.batch import PAD_DOC_ID
 
 
 def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -> list[list[int]]:

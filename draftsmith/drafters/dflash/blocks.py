@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts
-from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, TTTLoss
-from draftsmith.train.packing import PAD_DOC_ID
+from draftsmith.drafters.acceptance import chain_counts
+from draftsmith.drafters.batch import PAD_DOC_ID
+from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, TTTLoss, loss_record
 
 
 def default_gamma(block_size: int) -> float:
@@ -54,26 +54,6 @@ def anchor_candidates(loss_mask: Tensor, doc_ids: Tensor, position_ids: Tensor) 
     nxt = torch.zeros_like(mask)
     nxt[:, :-1] = mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
     return mask & nxt & (position_ids >= 1) & (doc_ids != PAD_DOC_ID)
-
-
-def sample_anchors(
-    candidates: Tensor, num_anchors: int, generator: torch.Generator | None = None
-) -> tuple[Tensor, Tensor]:
-    """Up to ``num_anchors`` candidate positions per row, at random, ascending.
-
-    candidates [B, T] bool -> (anchors [B, A] long, keep [B, A] bool), A = the most any row
-    got; a row with fewer fills its tail with position 0 and ``keep`` false.
-    """
-    b, t = candidates.shape
-    scores = torch.rand(b, t, generator=generator, device="cpu").to(candidates.device)
-    scores = torch.where(candidates, scores, torch.full_like(scores, -1.0))
-    a = max(1, min(num_anchors, int(candidates.sum(1).max())))
-    top = scores.topk(a, dim=1)
-    keep = top.values >= 0
-    anchors = torch.where(keep, top.indices, torch.full_like(top.indices, t))
-    anchors, order = anchors.sort(dim=1)  # ascending; the unused (t) last
-    keep = keep.gather(1, order)
-    return torch.where(keep, anchors, torch.zeros_like(anchors)), keep
 
 
 def block_inputs(
@@ -174,51 +154,5 @@ def block_loss(
     step_valid = valid[:, :, 1:].permute(2, 0, 1).flatten(1)  # [bs - 1, B * A]
     correct = torch.stack(corrects)  # [bs - 1, B * A]
     seen, hit = chain_counts(correct, step_valid)
-    out = TTTLoss(
-        loss=total,
-        step_loss=torch.stack(losses),
-        step_accuracy=torch.stack(accs).float(),
-        step_count=counts[1:].cpu(),
-        acceptance_length=acceptance_from_counts(seen, hit),
-        chain_seen=seen,
-        chain_hit=hit,
-    )
+    out = loss_record(total, losses, accs, counts[1:], seen, hit)
     return out, correct.T.reshape(b, a, bs - 1)
-
-
-def accepted_lengths(correct: Tensor) -> Tensor:
-    """[..., K] bool per draft -> [...] long: drafts accepted, left to right (greedy)."""
-    return correct.long().cumprod(-1).sum(-1)
-
-
-def served_walk(
-    accepted: Tensor, loss_mask: Tensor, doc_ids: Tensor, k: int
-) -> tuple[Tensor, Tensor]:
-    """Walk each response the way vLLM drafts it; (seen [k], hit [k]) for
-    ``acceptance_from_counts`` (exact: ``1 + sum_j hit[j] / seen[0]``).
-
-    The first block is anchored at the response's first token (the target's first choice
-    after the prompt); a block at ``a`` that has ``m`` drafts accepted is followed by one at
-    ``a + m + 1`` (the target's own token after the accepted ones), until the response ends.
-    accepted [B, T] long: the accepted length of a block anchored at each position (needed
-    wherever the walk lands: every response token with a response token after it).
-    """
-    hit = [0] * k
-    drafts = 0
-    mask, docs, acc = loss_mask.bool().tolist(), doc_ids.tolist(), accepted.tolist()
-    for row_mask, row_doc, row_acc in zip(mask, docs, acc, strict=True):
-        t = len(row_mask)
-        for start in range(t):
-            first = row_mask[start] and (
-                start == 0 or not row_mask[start - 1] or row_doc[start - 1] != row_doc[start]
-            )
-            a = start if first else t
-            while a + 1 < t and row_mask[a + 1] and row_doc[a + 1] == row_doc[a]:
-                m = row_acc[a]
-                drafts += 1
-                for j in range(m):
-                    hit[j] += 1
-                a += m + 1
-    hits = torch.tensor(hit, dtype=torch.long)
-    seen = torch.cat([torch.tensor([drafts]), hits[:-1]])
-    return seen, hits

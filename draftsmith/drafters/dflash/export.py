@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,14 @@ from safetensors.torch import save_file
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.drafters.dflash.model import DFlashDrafter
-from draftsmith.drafters.headfiles import card_text, layer_fields, section
+from draftsmith.drafters.headfiles import (
+    card_text,
+    layer_fields,
+    section,
+    state_tensors,
+    write_head_dir,
+    write_json,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -64,11 +70,7 @@ def dflash_config(
 
 def dflash_tensors(head: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The drafter's weights in vLLM's keys, cast to ``dtype``."""
-    return {
-        name: value.detach().to("cpu", dtype, copy=True).contiguous()  # tied norms: own copies
-        for name, value in head.state_dict().items()
-        if name not in NOT_IN_SAFETENSORS
-    }
+    return state_tensors(head, dtype, skip=NOT_IN_SAFETENSORS)  # tied norms: own copies
 
 
 def write_mask_embedding(head: DFlashDrafter, out_dir: Path, dtype: torch.dtype) -> Path | None:
@@ -92,7 +94,6 @@ def read_mask_embedding(head_dir: Path) -> tuple[int, torch.Tensor] | None:
 
 def export_dflash(
     head: DFlashDrafter,
-    kind: str,
     target: TargetInfo,
     out_dir: Path,
     *,
@@ -101,32 +102,25 @@ def export_dflash(
     card: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write ``head`` for ``target`` to ``out_dir`` (atomically, via ``out_dir.tmp``); the
-    arguments are ``headdir.export_head``'s (``layer_ids``: draftsmith ids, checked against
-    the drafter's; ``num_speculative_tokens``: the card's suggestion, default block_size - 1)."""
-    if kind != "dflash" or not isinstance(head, DFlashDrafter):
-        raise ConfigError(f"kind {kind!r} does not fit a {type(head).__name__}; use dflash")
+    """Write ``head`` for ``target`` to ``out_dir`` (atomically). ``layer_ids``: draftsmith
+    ids, checked against the drafter's; ``num_speculative_tokens``: the card's suggestion,
+    default block_size - 1; ``card``: extra model-card sections."""
     if layer_ids is not None and [i - 1 for i in layer_ids] != head.target_layer_ids:
         raise ConfigError(
             f"layer_ids {layer_ids} do not match the drafter's target_layer_ids "
             f"{head.target_layer_ids} (+1 each); export the checkpoint as it was trained"
         )
     config = dflash_config(head, target.config, dtype)
-    out_dir = Path(out_dir).absolute()
-    tmp, old = (out_dir.with_name(out_dir.name + suffix) for suffix in (".tmp", ".old"))
-    for stale in (tmp, old):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(dflash_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
-    write_mask_embedding(head, tmp, dtype)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     k = num_speculative_tokens or head.block_size - 1
-    (tmp / "README.md").write_text(model_card(config, target.path, out_dir, k, card or {}))
-    if out_dir.exists():
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return out_dir
+
+    def write(tmp: Path) -> None:
+        save_file(dflash_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
+        write_mask_embedding(head, tmp, dtype)
+        write_json(tmp / "config.json", config)
+        final = Path(out_dir).absolute()
+        (tmp / "README.md").write_text(model_card(config, target.path, final, k, card or {}))
+
+    return write_head_dir(out_dir, write)
 
 
 def model_card(

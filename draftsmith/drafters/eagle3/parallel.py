@@ -19,27 +19,31 @@ row. ``parallel_mask`` lets a block see its anchor's document up to the anchor a
 earlier slots, nothing else. Draft ``i``'s loss weighs ``loss_decay ** i``, as TTT's steps.
 
 Validation drafts a block at every position and walks each response the way vLLM does
-(``dflash_blocks.served_walk``: the next block starts after the accepted drafts and the
+(``walk.served_walk``: the next block starts after the accepted drafts and the
 target's own token), so its acceptance is the served one.
 """
 
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from draftsmith.drafters.acceptance import (
-    acceptance_from_counts,
-    chain_counts,
-    step_validity,
-)
-from draftsmith.drafters.dflash.blocks import accepted_lengths, sample_anchors, served_walk
-from draftsmith.drafters.dflash.objective import merge
+from draftsmith.drafters.acceptance import chain_counts, step_validity
+from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.eagle3.head import Eagle3Head
+from draftsmith.drafters.eagle3.options import Eagle3Options
 from draftsmith.drafters.layers import sdpa_attend
-from draftsmith.drafters.llama import Eagle3Head
-from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, TTTLoss, teacher_argmax
+from draftsmith.drafters.loss import (
+    ChunkedDraftLoss,
+    Teacher,
+    TTTLoss,
+    loss_record,
+    merge_records,
+    teacher_argmax,
+)
+from draftsmith.drafters.protocol import Trainee
 from draftsmith.drafters.ttt import document_causal_mask, shift_tokens
+from draftsmith.drafters.walk import accepted_lengths, sample_anchors, served_walk
 
 
 def parallel_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, num_masks: int) -> Tensor:
@@ -107,52 +111,53 @@ def parallel_forward(
     return head(all_ids, hidden, positions, attend)[0]
 
 
-def peagle_forward_loss(
-    module: LightningModule, batch: dict[str, Tensor], full_vocab_top1: bool
+def parallel_drafting_loss(
+    trainee: Trainee, opt: Eagle3Options, batch: Batch
 ) -> tuple[Tensor, TTTLoss]:
     """Training: draft 0 at every position plus ``num_anchors`` mask blocks per row; the
     acceptance logged is the chain over those anchors. Validation: a block at every
     position (``num_anchors`` blocks per pass) and the served walk's acceptance."""
-    hp, head = module.hparams, module.head
-    k = hp.ttt_steps
-    teacher_states = module.teacher(batch)
-    ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=module.device))
-    teacher_weight = module.target_lm_head[ids]
+    head = trainee.head
+    k = opt.ttt_steps
+    teacher_states = trainee.teacher(batch)
+    ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=trainee.device))
+    teacher_weight = trainee.target_lm_head[ids]
     top1 = None
-    if full_vocab_top1:  # judged as vLLM does: the target's argmax over every id
+    if not trainee.training:  # judged as vLLM does: the target's argmax over every id
         top1 = teacher_argmax(
-            teacher_states, module.target_lm_head, head.target_to_draft_index(), hp.loss_chunk_size
-        )
+            teacher_states, trainee.target_lm_head, head.target_to_draft_index(),
+            opt.loss_chunk_size,
+        )  # fmt: skip
     cand = step_validity(batch["loss_mask"], batch["doc_ids"], 0)  # draft 0 has a target
-    if module.training:
-        anchors, keep = sample_anchors(cand, hp.num_anchors)
-        return parallel_loss(module, batch, teacher_states, teacher_weight, top1, anchors, keep, k)
+    if trainee.training:
+        anchors, keep = sample_anchors(cand, opt.num_anchors)
+        return parallel_loss(head, opt, batch, teacher_states, teacher_weight, top1, anchors, keep)
     anchors, keep = sample_anchors(cand, cand.shape[1])  # every position, ascending
     accepted = torch.zeros_like(batch["input_ids"])  # [B, T]: by the bonus token's position
     parts = []
-    for start in range(0, anchors.shape[1], hp.num_anchors):
-        chunk = slice(start, start + hp.num_anchors)
+    for start in range(0, anchors.shape[1], opt.num_anchors):
+        chunk = slice(start, start + opt.num_anchors)
         a, kp = anchors[:, chunk], keep[:, chunk]
         loss, out, correct = parallel_loss(
-            module, batch, teacher_states, teacher_weight, top1, a, kp, k, with_correct=True
+            head, opt, batch, teacher_states, teacher_weight, top1, a, kp, with_correct=True
         )
         lengths = accepted_lengths(correct) * kp  # [B, A]
         # add: each position appears once, and unused slots (anchor 0, length 0) add nothing
         accepted.scatter_add_(1, (a + 1).clamp(max=accepted.shape[1] - 1), lengths)
         parts.append(out)
     seen, hit = served_walk(accepted, batch["loss_mask"], batch["doc_ids"], k)
-    return merge(parts, seen, hit)
+    return merge_records(parts, seen, hit)
 
 
 def parallel_loss(
-    module: LightningModule,
-    batch: dict[str, Tensor],
+    head: Eagle3Head,
+    opt: Eagle3Options,
+    batch: Batch,
     teacher_states: Tensor,
     teacher_weight: Tensor,
     top1: Tensor | None,
     anchors: Tensor,
     keep: Tensor,
-    num_drafts: int,
     with_correct: bool = False,
 ):
     """Loss and metrics of one pass (``parallel_forward``) over ``anchors`` [B, A].
@@ -161,7 +166,7 @@ def parallel_loss(
     slots. Returns (loss, ``TTTLoss`` over the anchors' chains) and, with ``with_correct``,
     ``correct`` [B, A, K] bool: draft i of block j is valid and equals the teacher's argmax.
     """
-    hp, head = module.hparams, module.head
+    num_drafts = opt.ttt_steps
     b, t = batch["input_ids"].shape
     a, m = anchors.shape[1], num_drafts - 1
     dev = anchors.device
@@ -183,7 +188,7 @@ def parallel_loss(
         teacher_states.reshape(b * t, -1),
         teacher_weight,
         torch.cat([rows for _, rows in scored]).unique(),
-        hp.loss_chunk_size,
+        opt.loss_chunk_size,
     )
     grad = (torch.is_grad_enabled() and states.requires_grad, False)
     flat = states.reshape(b * width, -1)
@@ -194,7 +199,7 @@ def parallel_loss(
         n = max(d_idx.numel(), 1)
         w = torch.full((d_idx.numel(),), 1.0 / n, device=dev)
         loss_i, draft_top1, teacher_top1 = ChunkedDraftLoss.apply(
-            flat, head.logits_weight, teacher, d_idx, t_idx, w, hp.loss_chunk_size, grad
+            flat, head.logits_weight, teacher, d_idx, t_idx, w, opt.loss_chunk_size, grad
         )
         if top1 is not None:
             teacher_top1 = top1.reshape(-1)[t_idx]
@@ -205,18 +210,10 @@ def parallel_loss(
             correct[:, :, 0] = at.gather(1, anchors) & valid[:, :, 0]
         else:
             correct[:, :, i][valid[:, :, i]] = hit
-        total = total + hp.loss_decay**i * loss_i
+        total = total + opt.loss_decay**i * loss_i
         losses.append(loss_i.detach())
         accs.append(hit.sum() / n)
         counts.append(d_idx.numel())
     seen, hits = chain_counts(correct.permute(2, 0, 1), valid.permute(2, 0, 1))
-    out = TTTLoss(
-        loss=total,
-        step_loss=torch.stack(losses),
-        step_accuracy=torch.stack(accs).float(),
-        step_count=torch.tensor(counts),
-        acceptance_length=acceptance_from_counts(seen, hits),
-        chain_seen=seen,
-        chain_hit=hits,
-    )
+    out = loss_record(total, losses, accs, counts, seen, hits)
     return (total, out, correct) if with_correct else (total, out)

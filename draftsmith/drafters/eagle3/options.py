@@ -1,0 +1,28 @@
+"""EAGLE-3's ``model.*`` options (P-EAGLE is EAGLE-3 with ``parallel_drafting``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftsmith.drafters.options import BlockOptions, TTTOptions, exclusive
+
+
+@dataclass
+class Eagle3Options(TTTOptions, BlockOptions):
+    """Fused low/mid/high target states, a reduced draft vocabulary."""
+
+    draft_vocab_size: int | None = None
+    """EAGLE-3 draft vocabulary: the most frequent loss-masked tokens of the dataset (EOS
+    always kept). Default: the full vocabulary up to 32k ids, else 32k."""
+    train_lm_head: bool = True
+    """EAGLE-3: train the draft lm_head (it starts from the target's rows)."""
+    norm_before_fc: bool = exclusive(False)
+    """EAGLE-3: one RMSNorm over the fused tapped states before ``fc`` (vLLM's
+    ``norm_before_fc``, weight ``input_norm.weight``)."""
+    fc_norm: bool = exclusive(False)
+    """EAGLE-3: one RMSNorm per tapped state before ``fc`` (vLLM's ``fc_norm``, weights
+    ``fc_norm.{i}.weight``); after ``norm_before_fc`` when both are on."""
+    parallel_drafting: bool = exclusive(False)
+    """EAGLE-3: train a P-EAGLE head that drafts all ``ttt_steps`` tokens in one pass (vLLM's
+    ``parallel_drafting``; ``eagle3/parallel.py``), with ``num_anchors`` mask blocks per row and
+    the mask token chosen as for DFlash (``mask_token_id``)."""

@@ -1,0 +1,182 @@
+"""What a drafter kind gives draftsmith: the one contract training, export and eval call.
+
+A kind is a subclass of :class:`Drafter` in a folder of its own (``drafters/<kind>/``) plus
+one line in the registry (``drafters/__init__.py``). The training loop
+(``train/module.py``), the data module, ``draftsmith export`` and ``draftsmith eval`` only
+call these methods; none of them tests which kind it holds.
+
+Lifecycle of a kind in training:
+
+1. ``Drafter(options)``: ``options`` is the kind's ``Options`` dataclass (its ``model.*``
+   options, typed and documented; they become ``draftsmith train fit --help``).
+   ``check_options`` refuses bad values in one line.
+2. ``build(target, data, weights)`` once the dataset is known: the head (a plain
+   ``nn.Module``), the frozen target tensors its objective reads, and the facts export needs.
+3. ``loss(trainee, batch)`` per batch: the objective when ``trainee.training``, else the
+   validation pass whose acceptance walks each response as vLLM drafts it
+   (``walk.served_walk``) over ``walk_length()`` drafts.
+4. ``restore(head, state)`` after a checkpoint's weights were loaded (derived buffers).
+
+Export and serving are class methods: ``rebuild`` a head from a checkpoint's info,
+``export`` it as a directory its serving stack loads, ``method_of`` a head directory's
+``config.json``, ``check_head`` it against a target, and the ``speculative_config`` vLLM
+takes for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from draftsmith.core.targets import TargetInfo
+from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.loss import TTTLoss
+from draftsmith.drafters.target_weights import TargetWeights
+
+
+class TrainingData(Protocol):
+    """What a kind reads of the training data (the data module)."""
+
+    aux_layer_ids: list[int]  # the tapped layer ids that feed the head, ascending
+    teacher_layer_id: int  # the target's last layer (its states are the teacher's input)
+
+    def train_token_counts(self, vocab_size: int) -> Tensor:
+        """How often each id is a loss-masked token in the training split, long [vocab]."""
+        ...
+
+
+class Trainee(Protocol):
+    """What a kind's objective reads of the training loop (``DraftModule``): the head, the
+    frozen tensors ``build`` returned (as attributes of the same names), and these."""
+
+    head: nn.Module
+    training: bool
+    device: torch.device
+    target_lm_head: Tensor  # [V, H] the target's lm_head, frozen
+
+    def teacher(self, batch: Batch) -> Tensor:
+        """The target's final-normed states [B, T, H]; row p predicts token p + 1."""
+        ...
+
+
+@dataclass
+class Built:
+    """What ``Drafter.build`` returns."""
+
+    head: nn.Module
+    """The trainable head (its state dict is what checkpoints and export carry)."""
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+    """Frozen tensors the objective reads, set on the trainee as non-persistent buffers."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Saved in every checkpoint: what ``rebuild`` and ``export`` need without the dataset
+    (``head_kwargs``, ``layer_ids``, the target ...)."""
+
+
+class Drafter:
+    """One drafter kind. Subclasses set the class attributes and override the methods."""
+
+    name: ClassVar[str]
+    """``model.kind`` and the checkpoint's ``kind``."""
+    title: ClassVar[str]
+    """How people call it (model cards, logs)."""
+    Options: ClassVar[type]
+    """A dataclass: the kind's ``model.*`` options. A field another kind declares too must
+    have the same type and default (the registry checks)."""
+    methods: ClassVar[dict[str, tuple[str, ...]]]
+    """vLLM ``speculative_config.method`` -> the ``config.json`` architectures it serves."""
+    head_class: ClassVar[type[nn.Module]]
+    """The head's class, rebuilt at export from ``info["head_kwargs"]``."""
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+        self.check_options()
+
+    # ----- training -------------------------------------------------------------------
+    def check_options(self) -> None:
+        """Refuse option values this kind cannot train with (one line each)."""
+
+    def build(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
+        """The head for ``target`` and what its objective and export need."""
+        raise NotImplementedError
+
+    def fit_to_data(self, trainee: Trainee, target: TargetInfo, data: TrainingData) -> dict:
+        """Choose what depends on the training tokens once the head sits on ``trainee``
+        (EAGLE-3: its draft vocabulary); returns facts for the checkpoint's info."""
+        return {}
+
+    def loss(self, trainee: Trainee, batch: Batch) -> tuple[Tensor, TTTLoss]:
+        """(loss to minimise, its record). Validation (``not trainee.training``) fills the
+        record's ``chain_seen`` / ``chain_hit`` with the served walk's counts."""
+        raise NotImplementedError
+
+    def walk_length(self) -> int:
+        """k of the validation walk: the drafts per step vLLM serves this head with."""
+        raise NotImplementedError
+
+    def restore(self, head: nn.Module, state: dict[str, Tensor] | None) -> None:
+        """Recompute derived buffers after a checkpoint's weights were loaded (``state``: the
+        module's state dict, or None when a sharded strategy loaded the weights itself)."""
+
+    # ----- export and serving ----------------------------------------------------------
+    @classmethod
+    def head_from_target(cls, target_config: dict[str, Any], **head_options: Any) -> nn.Module:
+        """A head whose sizes, rope and norms are the target's (``config.json``);
+        ``head_options`` are the head class's own arguments."""
+        raise NotImplementedError
+
+    @classmethod
+    def rebuild(cls, info: dict[str, Any], state: dict[str, Tensor]) -> nn.Module:
+        """The trained head from a checkpoint: its info and its head's state dict."""
+        head = cls.head_class(**info["head_kwargs"])
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"head weights do not fit: missing {missing}, unexpected {unexpected}")
+        return head
+
+    @classmethod
+    def export(
+        cls,
+        head: nn.Module,
+        target: TargetInfo,
+        out_dir: Path,
+        *,
+        layer_ids: list[int] | None = None,
+        num_speculative_tokens: int | None = None,
+        card: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Path:
+        """Write ``head`` for ``target`` as a directory vLLM serves as it is; returns it."""
+        raise NotImplementedError
+
+    @classmethod
+    def method_of(cls, config: dict[str, Any]) -> str | None:
+        """The vLLM method a head directory with this ``config.json`` is served with, or None
+        when the head is not of this kind."""
+        arch = (config.get("architectures") or ["?"])[0]
+        return next((m for m, archs in cls.methods.items() if arch in archs), None)
+
+    @classmethod
+    def check_head(
+        cls, head: str, method: str, config: dict, shapes: dict[str, list[int]], target: TargetInfo
+    ) -> None:
+        """Refuse a head directory that cannot serve ``target`` (config and tensor shapes),
+        in one line naming the mismatch and the fix."""
+
+    @classmethod
+    def speculative_config(cls, method: str, head_dir: str, k: int) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` serving ``head_dir`` with ``method`` and k drafts."""
+        return {"method": method, "model": head_dir, "num_speculative_tokens": k}
+
+    @classmethod
+    def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:
+        """One line: how to serve the exported head."""
+        return f"vllm serve {head_dir}, or speculative_config model={head_dir}"
+
+
+def options_dict(options: Any) -> dict[str, Any]:
+    """A kind's options as a plain dict (for hparams, cards and logs)."""
+    return asdict(options)

@@ -1,0 +1,66 @@
+"""The objective of heads unrolled with training-time test (EAGLE-3, EAGLE-1).
+
+Per batch the head is unrolled ``ttt_steps`` times (``ttt.py``); step k's loss is the soft
+cross-entropy (``loss: kl``), the total variation (``tv``) or their blend against the teacher,
+the target's own next-token distribution (``loss.py``), weighted ``loss_decay**k``.
+Validation judges drafts as vLLM does (the target's argmax over every id) and walks each
+response as vLLM drafts it (``walk.served_walk``), so its acceptance is the served one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from draftsmith.drafters.acceptance import acceptance_from_counts
+from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.loss import TTTLoss, teacher_argmax, ttt_loss
+from draftsmith.drafters.options import TTTOptions
+from draftsmith.drafters.protocol import Trainee
+from draftsmith.drafters.ttt import ttt_unroll
+from draftsmith.drafters.walk import served_walk
+
+
+def unrolled_loss(
+    trainee: Trainee,
+    opt: TTTOptions,
+    batch: Batch,
+    states: Tensor,
+    teacher: Tensor,
+    teacher_weight: Tensor,
+    to_draft: Tensor | None,
+) -> tuple[TTTLoss, list[Tensor]]:
+    """(the record of a TTT unroll, the K step outputs [B, T, H]).
+
+    Args:
+        states: what the head's ``combine_hidden_states`` reads, [B, T, *].
+        teacher: final-normed target states [B, T, H] (``trainee.teacher``).
+        teacher_weight: the target lm_head rows of the head's vocabulary [V_draft, H].
+        to_draft: [V] the draft id of each target id (-1 outside), None for the full vocab.
+    """
+    head = trainee.head
+    steps = ttt_unroll(
+        head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
+        opt.ttt_steps, opt.attention,
+    )  # fmt: skip
+    top1 = None
+    if not trainee.training:  # accuracy as vLLM judges it: the target's argmax over all ids
+        top1 = teacher_argmax(teacher, trainee.target_lm_head, to_draft, opt.loss_chunk_size)
+    out = ttt_loss(
+        steps, head.logits_weight, teacher, teacher_weight, batch["loss_mask"],
+        batch["doc_ids"], top1, opt.loss_decay, opt.loss_chunk_size,
+        loss=opt.loss, tv_weight=opt.tv_weight,
+    )  # fmt: skip
+    if not trainee.training:  # the acceptance vLLM serves: chains where the last one ended
+        accepted = torch.zeros_like(batch["input_ids"])
+        accepted[:, 1:] = out.stream_accepted[:, :-1]  # stream t's bonus token is x_{t+1}
+        seen, hit = served_walk(accepted, batch["loss_mask"], batch["doc_ids"], opt.ttt_steps)
+        out = dataclasses.replace(
+            out,
+            chain_seen=seen,
+            chain_hit=hit,
+            acceptance_length=acceptance_from_counts(seen, hit),
+        )
+    return out, steps
