@@ -5,7 +5,7 @@
   and vocabulary, and ``dflash_config: {mask_token_id, target_layer_ids, block_size}``.
   ``target_layer_ids`` are vLLM's 0-based ids (it taps ``i + 1``); no ``eagle_config`` or
   ``eagle_aux_hidden_state_layer_ids``, which vLLM would read first.
-- ``model.safetensors``: vLLM's keys (``dflash.py``), no ``embed_tokens`` / ``lm_head``
+- ``model.safetensors``: vLLM's keys (its ``dflash.py``), no ``embed_tokens`` / ``lm_head``
   (the target's are shared) and no mask embedding.
 - ``mask_embedding.pt`` when the mask embedding was trained: ``{"mask_token_id": int,
   "embedding": [H] tensor}``, which vLLM reads with ``torch.load(weights_only=True)`` and

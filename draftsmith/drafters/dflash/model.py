@@ -220,7 +220,7 @@ class DFlashDrafter(nn.Module):
 
         Args: block_ids [B, Q] (blocks of B slots back to back), block_positions [B, Q];
         target_states [B, T, n_ctx * Ht] and context_positions [B, T] of the row's tokens;
-        mask [B, 1, Q, T + Q] bool over (context keys, block keys), see ``dflash_blocks``.
+        mask [B, 1, Q, T + Q] bool over (context keys, block keys), see ``blocks.py``.
         Returns: final-normed states [B, Q, H] for the target's lm_head.
         """
         ctx = self.context(target_states)

@@ -48,7 +48,7 @@ def run_blocks(
     keep: Tensor,
 ) -> tuple[TTTLoss, Tensor]:
     """Blocks at ``anchors`` [B, A] (``keep``), one drafter pass, the weighted loss;
-    returns ``dflash_blocks.block_loss``'s (TTTLoss, correct [B, A, bs - 1])."""
+    returns ``blocks.block_loss``'s (TTTLoss, correct [B, A, bs - 1])."""
     head = trainee.head
     bs = opt.block_size
     ids, positions = block_inputs(

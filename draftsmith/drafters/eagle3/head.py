@@ -28,7 +28,7 @@ class Eagle3Head(LlamaDraftHead):
     [n_aux * H_target]; ``fc_norm`` one RMSNorm per tapped state, ``fc_norm.{i}.weight``
     [H_target]. With both, vLLM applies ``input_norm`` first.
 
-    ``parallel_drafting`` (P-EAGLE, ``peagle.py``) adds ``mask_hidden`` [n_aux * H_target]: the
+    ``parallel_drafting`` (P-EAGLE, ``parallel.py``) adds ``mask_hidden`` [n_aux * H_target]: the
     fused "target state" of the mask slots, which vLLM feeds through ``combine_hidden_states``
     beside the embedding of ``mask_token_id`` to draft every position in one pass.
     """

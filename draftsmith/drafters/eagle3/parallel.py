@@ -12,7 +12,7 @@ token is at position ``a`` and whose bonus token is ``x_{a+1}``, one draft pass 
 Attention is causal: a mask slot sees the real slots up to ``a`` and the mask slots before
 it. All k drafts come from that one pass, so drafting costs one forward instead of k.
 
-Training builds the same thing inside packed rows (batch keys: ``packing.py``): every real
+Training builds the same thing inside packed rows (batch keys: ``drafters/batch.py``): every real
 slot of the row (draft 0 at every position, exactly EAGLE-3's first TTT step) plus, for up to
 ``num_anchors`` random anchors per row, a block of ``k - 1`` mask slots appended after the
 row. ``parallel_mask`` lets a block see its anchor's document up to the anchor and its own
