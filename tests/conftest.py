@@ -25,6 +25,25 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # default: its worker processes get libiomp5 preloaded (single stream 28 vs 24 tok/s).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+
+
+def pin_xdist_worker() -> None:
+    """Under ``pytest -n N`` (what ``make test`` runs), give each worker its own share of the
+    cores, threads included: two processes whose OpenMP threads share cores wait on each
+    other's time slices (draftsmith/core/cores.py measured 5x slower). vLLM's CPU worker and
+    torch then bind to the cores this process may use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[int(worker.removeprefix("gw")) % count :: count] or cores
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+
+
+pin_xdist_worker()
+
 TINY = dict(
     hidden_size=128,
     intermediate_size=256,

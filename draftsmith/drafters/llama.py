@@ -1,6 +1,6 @@
 """What the Llama-style draft heads (EAGLE-3, EAGLE-1) share: the base module holding the
-target's frozen embeddings and the rotary embedding, and the sizes and rope a head takes from
-the target's ``config.json``.
+target's frozen embeddings and the rotary embedding; and the sizes and rope any draft
+(DFlash's too) takes from the target's ``config.json`` (``target_sizes``, ``target_rope``).
 
 The layers themselves are in ``layers.py``; attention is pluggable there (``AttendFn``).
 """

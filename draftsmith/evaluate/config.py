@@ -80,3 +80,9 @@ class EvalConfig:
         self.datasets = [self.datasets] if isinstance(self.datasets, str) else self.datasets
         if not self.datasets:
             raise ConfigError("datasets: [] names no prompt set; give one, e.g. mt_bench")
+        from draftsmith import drafters
+
+        if self.method is not None and self.method not in drafters.head_methods():
+            raise ConfigError(
+                f"method: {self.method!r} is not a choice; use one of {drafters.head_methods()}"
+            )

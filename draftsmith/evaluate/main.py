@@ -17,7 +17,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from draftsmith import __version__, drafters
+from draftsmith import __version__
 from draftsmith.conversations.sources import DataError, SkipLog, load_many
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
@@ -64,10 +64,6 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     from draftsmith.evaluate import runs
 
     ks = check_k(cfg.k)
-    if cfg.method is not None and cfg.method not in drafters.head_methods():
-        raise HeadError(
-            f"method: {cfg.method!r} is not a choice; use one of {drafters.head_methods()}"
-        )
     if "suffix" in cfg.baselines and importlib.util.find_spec("arctic_inference") is None:
         say("eval: suffix baseline skipped: it needs the arctic-inference package (make setup "
             "builds it; see docs/benchmarks.md)")  # fmt: skip

@@ -276,11 +276,13 @@ def cli_signature() -> Iterator[None]:
         keyword = inspect.Parameter.KEYWORD_ONLY
         params.append(inspect.Parameter(name, keyword, default=default, annotation=hint))
         doc.append(f"        {name}: ({', '.join(owners)}) {text}")
-    saved = DraftModule.__doc__
-    DraftModule.__init__.__signature__ = inspect.Signature(params)
+    init = DraftModule.__init__
+    saved = DraftModule.__doc__, init.__annotations__
+    init.__signature__ = inspect.Signature(params)
+    init.__annotations__ = {p.name: p.annotation for p in params if p.name != "self"}
     DraftModule.__doc__ = "\n".join(doc) + "\n"
     try:
         yield
     finally:
-        del DraftModule.__init__.__signature__
-        DraftModule.__doc__ = saved
+        del init.__signature__
+        DraftModule.__doc__, init.__annotations__ = saved

@@ -236,22 +236,11 @@ def dflash_from_target(target_config: dict[str, Any], **options: Any) -> DFlashD
     (``config.json``); ``options`` pass through (``target_layer_ids``, ``mask_token_id``,
     ``num_layers``, ``block_size``, ``train_mask_embedding``)."""
     from draftsmith.core.targets import text_config
-    from draftsmith.drafters.llama import target_rope
+    from draftsmith.drafters.llama import target_sizes
 
     cfg = text_config(target_config)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"only silu MLPs are supported, target uses {cfg['hidden_act']!r}")
-    theta, scaling = target_rope(cfg)
-    return DFlashDrafter(
-        hidden_size=cfg["hidden_size"],
-        num_heads=cfg["num_attention_heads"],
-        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        target_hidden_size=cfg["hidden_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        **options,
-    )
+    sizes = target_sizes(cfg)
+    del sizes["max_position_embeddings"]  # vLLM builds the drafter's rope from the target's
+    return DFlashDrafter(**sizes, target_hidden_size=cfg["hidden_size"], **options)
