@@ -71,6 +71,23 @@ def shard_done(output: Path, index: int, planned: list[str]) -> bool:
     )
 
 
+def repair_shards(output: Path, indices: list[int]) -> list[int]:
+    """Delete each finished shard among ``indices`` whose sha256 differs from its sidecar's
+    (file and sidecar both), so that extraction writes it again; returns those deleted."""
+    from draftsmith.core.files import sha256_file
+
+    bad = []
+    for k in indices:
+        sidecar, shard = sidecar_path(output, k), output / shard_name(k)
+        if not sidecar.is_file() or not shard.is_file():
+            continue
+        if sha256_file(shard) != json.loads(sidecar.read_text()).get("sha256"):
+            shard.unlink()
+            sidecar.unlink()
+            bad.append(k)
+    return bad
+
+
 def tokenizer_sha256(model_dir: str) -> str | None:
     """Hash of the tokenizer files, so a dataset can be matched to a target's vocabulary."""
     digest = hashlib.sha256()

@@ -73,6 +73,8 @@ class BenchLoaderConfig:
     work_dir: str = "outputs/bench-loader"
     """Where the shards are written, in a fresh subdirectory; put it on the disk your
     datasets live on (a cold cache cannot be had on tmpfs)."""
+    check_shards: bool = True
+    """Check each shard's sha256 on first map, as training does (as ``data.check_shards``)."""
     keep: bool = False
     """Keep the written shards (by default their directory is removed at the end)."""
     output: str | None = "outputs/bench-loader/result.json"
@@ -167,6 +169,7 @@ def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
         num_workers=workers,
         seed=cfg.seed,
         dtype=cfg.dtype,
+        check_shards=cfg.check_shards,
     )
     loader = module.train_dataloader()
     tokens = row_tokens = batches = 0
