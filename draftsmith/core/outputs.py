@@ -40,16 +40,20 @@ def check_output(
     *,
     overwrite: bool = False,
     is_file: bool = False,
+    overwrite_flag: str | None = "--overwrite true",
 ) -> Path:
     """Refuse ``path`` (the value of ``option``) unless writing there loses nothing.
 
     ``own`` is either glob patterns of entries only this command writes in its output
     directory (any one present makes the directory its own), or a test on the directory.
     ``is_file``: the output is one file (accepted if absent, or if ``own`` accepts it).
+    ``overwrite_flag`` is how the command's user asks for overwriting (None: it cannot).
     Returns the path. Raises :class:`OutputError` in one line."""
     path = Path(path)
     flag = f"--{option}"
-    fix = f"give another {flag}, or add --overwrite true to write over it"
+    fix = f"give another {flag}, " + (
+        f"or add {overwrite_flag} to write over it" if overwrite_flag else "or delete it first"
+    )
     if path.is_symlink() and not path.exists():
         raise OutputError(f"{option}: {path} is a broken symbolic link; {fix}")
     if path.exists():
@@ -128,6 +132,8 @@ def json_from(command: str) -> Callable[[Path], bool]:
 def head_dir(path: Path) -> bool:
     """An ``own`` test for ``draftsmith export``: a head directory export wrote (its model
     card has the training sections export writes)."""
+    if {p.name for p in path.iterdir()} <= {"stage.yaml", "export.log", ".done.json"}:
+        return True  # the pipeline's record of the stage, written before export runs
     readme = path / "README.md"
     if not (path / "config.json").is_file() or not readme.is_file():
         return False
