@@ -72,18 +72,28 @@ def shard_done(output: Path, index: int, planned: list[str]) -> bool:
 
 
 def repair_shards(output: Path, indices: list[int]) -> list[int]:
-    """Delete each finished shard among ``indices`` whose sha256 differs from its sidecar's
-    (file and sidecar both), so that extraction writes it again; returns those deleted."""
+    """Delete each shard among ``indices`` whose sha256 differs from its record (the
+    sidecar's, or the manifest's where no sidecar was written), sidecar too, so that
+    extraction writes it again; returns the indices deleted."""
     from draftsmith.core.files import sha256_file
 
+    listed = output / "manifest.json"
+    recorded = {}
+    if listed.is_file():
+        recorded = {s["file"]: s["sha256"] for s in json.loads(listed.read_text())["shards"]}
     bad = []
     for k in indices:
         sidecar, shard = sidecar_path(output, k), output / shard_name(k)
-        if not sidecar.is_file() or not shard.is_file():
+        if not shard.is_file():
             continue
-        if sha256_file(shard) != json.loads(sidecar.read_text()).get("sha256"):
+        expected = (
+            json.loads(sidecar.read_text()).get("sha256")
+            if sidecar.is_file()
+            else recorded.get(shard.name)
+        )
+        if expected is not None and sha256_file(shard) != expected:
             shard.unlink()
-            sidecar.unlink()
+            sidecar.unlink(missing_ok=True)
             bad.append(k)
     return bad
 
