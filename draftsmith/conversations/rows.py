@@ -260,9 +260,19 @@ def kind_of(value: Any) -> str:
 Rows = Iterable[tuple[int, str, Any]]
 
 
-def jsonl_rows(path: Path, opener, label: str) -> Iterator[tuple[int, str, Any]]:
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+def jsonl_rows(
+    path: Path, opener, label: str, encoding: str = "utf-8"
+) -> Iterator[tuple[int, str, Any]]:
+    """``(line, id, record)`` of each non-blank line of a JSONL file read in ``encoding``.
+
+    Lines are read as bytes and decoded one at a time, so a byte the encoding cannot
+    decode is a one-line :class:`DataError` naming the file, the line, the byte offset
+    and the encoding (never a traceback)."""
+    offset = 0
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = decode_text(raw, path, encoding, lineno, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             conv_id = f"{label}:{lineno}"
@@ -274,6 +284,26 @@ def jsonl_rows(path: Path, opener, label: str) -> Iterator[tuple[int, str, Any]]
                     str(path), lineno, "(line)", problem, ROW_HINT, "malformed_json"
                 )
                 yield lineno, conv_id, error
+
+
+def decode_text(raw: bytes, path: Path, encoding: str, line: int = 1, offset: int = 0) -> str:
+    """``raw`` (bytes starting at byte ``offset`` of ``path``, on ``line``) as text in
+    ``encoding``; undecodable bytes are a one-line :class:`DataError` saying where."""
+    try:
+        return raw.decode(encoding)
+    except LookupError as err:
+        raise DataError(
+            f"encoding: {encoding!r} is not a text encoding Python knows; give e.g. "
+            "utf-8, latin-1 or cp1252"
+        ) from err
+    except UnicodeDecodeError as err:
+        bad = raw[err.start : err.start + 1]
+        line += raw[: err.start].count(b"\n")
+        raise DataError(
+            f"{path}:{line}: byte {bad.hex()!r} at byte offset {offset + err.start} is not "
+            f"valid {encoding}; convert the file to {encoding}, or read it as it is "
+            "written with --encoding (e.g. latin-1, cp1252)"
+        ) from err
 
 
 def package_dir(module: str, pip_name: str, source: str) -> Path:

@@ -29,6 +29,7 @@ from draftsmith.conversations.rows import (
     DataError,
     Rows,
     SkipLog,
+    decode_text,
     jsonl_rows,
     parse_row,
     parse_tools,
@@ -47,15 +48,19 @@ def load_conversations(
     require_assistant: bool = True,
     limit: int | None = None,
     skips: SkipLog,
+    encoding: str = "utf-8",
 ) -> list[Conversation]:
     """Load the conversations of one source `spec` (see the module docstring / :data:`FORMS`).
 
     `bad_rows` is ``"error"`` (raise :class:`DataError`) or ``"skip"`` (count in `skips`).
     Empty conversations, and with `require_assistant` those without an assistant turn,
-    are always counted skips. `limit` caps the number returned (after skips).
+    are always counted skips. `limit` caps the number returned (after skips). `encoding`
+    is the text encoding of JSON / JSONL files.
     """
     if bad_rows not in ("error", "skip"):
         raise DataError(f"bad_rows: {bad_rows!r} is not a choice; use 'error' or 'skip'.")
+    if limit is not None and limit < 0:
+        raise DataError(f"limit: {limit} is negative; give a number of conversations >= 0.")
 
     source = spec
     if spec.partition("@")[0].partition(":")[0] == "sharegpt":
@@ -71,7 +76,7 @@ def load_conversations(
         source, rows = spec, prompt_sets.hf_rows(spec)
     else:
         source = str(Path(spec))
-        rows = _file_rows(Path(spec))
+        rows = _file_rows(Path(spec), encoding)
     out: list[Conversation] = []
     for row, conv_id, record in rows:
         if limit is not None and len(out) >= limit:
@@ -127,7 +132,7 @@ def _label(path: Path) -> str:
     return name
 
 
-def _file_rows(path: Path) -> Rows:
+def _file_rows(path: Path, encoding: str = "utf-8") -> Rows:
     if not path.is_file():
         raise DataError(f"data: {path} does not exist (or is not a file); accepted: {FORMS}")
     name = path.name.removesuffix(".gz")
@@ -135,12 +140,13 @@ def _file_rows(path: Path) -> Rows:
         raise DataError(f"data: {path} is neither .json nor .jsonl; accepted: {FORMS}")
     opener = gzip.open if path.name.endswith(".gz") else open
     if name.endswith(".jsonl"):
-        return jsonl_rows(path, opener, _label(path))
-    with opener(path, "rt", encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
+        return jsonl_rows(path, opener, _label(path), encoding)
+    with opener(path, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(decode_text(raw, path, encoding))
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from err
     if isinstance(data, dict):
         data = _unwrap(data, path)
     if not isinstance(data, list):

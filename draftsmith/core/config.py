@@ -72,14 +72,69 @@ _LITERAL = re.compile(r"typing\.Literal\[(?P<allowed>[^\]]*)\]")
 _VALUE = re.compile(r"(?:Got value|Given value): (?P<value>[^\n]*)")
 
 
+_SUBTYPES = re.compile(r"Subtypes: \[(?P<types>.*)\]\n")
+_EXPECTED = re.compile(
+    r"Expected an? (?P<type>.+?)\.? (?:Got value|Given value): (?P<value>[^\n]*)"
+)
+_GIVEN = re.compile(r"\n\s*Given value: (?P<value>[^\n]*)")
+
+
 def one_line(message: str) -> str:
-    """A parser's error as one line; an invalid choice (a Literal, optional or not) names
-    the allowed values."""
+    """A parser's error as one line in the user's words: an invalid choice (a Literal,
+    optional or not) names the allowed values; a wrong type (a union's, a list element's)
+    says what was expected and what was given."""
     key, allowed, value = (r.search(message) for r in (_KEY, _LITERAL, _VALUE))
     if key and allowed and value:
         return (f"{key['key']}: {value['value'].strip()!r} is not a choice; use one of "
                 f"[{allowed['allowed']}]")  # fmt: skip
+    subtypes, given = _SUBTYPES.search(message), _GIVEN.search(message)
+    if key and subtypes and given:
+        expected = " or ".join(type_words(t) for t in _split_types(subtypes["types"]))
+        inner = [m for m in _EXPECTED.finditer(message) if "NoneType" not in m["type"]]
+        why = (f" ({inner[0]['value'].strip()!r} is not {type_words(inner[0]['type'])})"
+               if inner else "")  # fmt: skip
+        return f"{key['key']}: expected {expected}; got {given['value'].strip()}{why}"
+    expected = _EXPECTED.search(message)
+    if key and expected:
+        return (f"{key['key']}: expected {type_words(expected['type'])}; got "
+                f"{expected['value'].strip()!r}")  # fmt: skip
     return " ".join(message.split())
+
+
+_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "dict": "a mapping (key: value)",
+    "list": "a list",
+}
+
+
+def type_words(annotation: str) -> str:
+    """``<class 'int'>`` -> "an integer", ``list[int]`` -> "a list of integers", NoneType ->
+    "null": a type as a user reads it."""
+    t = re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"\1", annotation.strip())
+    if t == "NoneType":
+        return "null"
+    if t.startswith(("list[", "tuple[")) and t.endswith("]"):
+        items = [type_words(i).split(" ", 1)[-1] for i in _split_types(t[t.index("[") + 1 : -1])]
+        return "a list of " + " or ".join(f"{i}s" if i in ("integer", "number", "string") else i
+                                          for i in items)  # fmt: skip
+    if t.startswith("dict["):
+        return "a mapping (key: value)"
+    return _WORDS.get(t, t)
+
+
+def _split_types(text: str) -> list[str]:
+    """``"list[int], <class 'NoneType'>"`` -> its top-level comma-separated parts."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "[(" and 1 or (-1 if char in "])" else 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p.strip() for p in [*parts, text[start:]] if p.strip()]
 
 
 def to_dict(config) -> dict:

@@ -71,6 +71,33 @@ def shard_done(output: Path, index: int, planned: list[str]) -> bool:
     )
 
 
+def repair_shards(output: Path, indices: list[int]) -> list[int]:
+    """Delete each shard among ``indices`` whose sha256 differs from its record (the
+    sidecar's, or the manifest's where no sidecar was written), sidecar too, so that
+    extraction writes it again; returns the indices deleted."""
+    from draftsmith.core.files import sha256_file
+
+    listed = output / "manifest.json"
+    recorded = {}
+    if listed.is_file():
+        recorded = {s["file"]: s["sha256"] for s in json.loads(listed.read_text())["shards"]}
+    bad = []
+    for k in indices:
+        sidecar, shard = sidecar_path(output, k), output / shard_name(k)
+        if not shard.is_file():
+            continue
+        expected = (
+            json.loads(sidecar.read_text()).get("sha256")
+            if sidecar.is_file()
+            else recorded.get(shard.name)
+        )
+        if expected is not None and sha256_file(shard) != expected:
+            shard.unlink()
+            sidecar.unlink(missing_ok=True)
+            bad.append(k)
+    return bad
+
+
 def tokenizer_sha256(model_dir: str) -> str | None:
     """Hash of the tokenizer files, so a dataset can be matched to a target's vocabulary."""
     digest = hashlib.sha256()

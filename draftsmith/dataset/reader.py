@@ -5,11 +5,19 @@ only. ``ds[i]`` then maps the shard holding sample i (once per process, lazily) 
 copies just that sample's token range out of it, so random access costs one sample's
 bytes however large the shards are. Safe in ``DataLoader`` workers: memory maps are never
 pickled, each process opens its own.
+
+Every shard's bytes are checked against the manifest's sha256 the first time a process
+maps it, before any of its samples is returned (``check_shards``, on by default): a byte
+flipped anywhere in a shard is refused in one line naming the shard and the command that
+re-extracts it. Hashing reads the shard once through the map, which also warms the page
+cache for the samples that follow; shards verified in a process stay verified in the
+DataLoader workers it starts (the set travels with the dataset).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import math
 import mmap
@@ -44,6 +52,7 @@ class _Shard:
     tensors: dict[str, TensorSpec]
     offsets: list[int]  # [S + 1] token offsets of the samples
     sample_ids: list[str]
+    sha256: str | None = None  # the manifest's checksum of the whole file
 
 
 class HiddenStatesDataset(Dataset):
@@ -60,9 +69,12 @@ class HiddenStatesDataset(Dataset):
         dtype: torch.dtype = torch.float32,
         allow_incomplete: bool = False,
         verify_checksums: bool = False,
+        check_shards: bool = True,
     ) -> None:
         self.path = Path(path)
         self.dtype = dtype
+        self.check_shards = check_shards
+        self._verified: set[int] = set()  # shards whose sha256 this process tree checked
         self.manifest = _load_manifest(self.path, allow_incomplete)
         self.storage_dtype: str = self.manifest["storage_dtype"]
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
@@ -127,7 +139,7 @@ class HiddenStatesDataset(Dataset):
             or any(b < a for a, b in zip(offsets, offsets[1:], strict=False))
         ):
             raise DatasetError(f"{path}: sample_offsets do not describe its {n} tokens")
-        return _Shard(path, tensors, offsets, sample_ids)
+        return _Shard(path, tensors, offsets, sample_ids, info.get("sha256"))
 
     def _check_tensors(self, path: Path, tensors: dict[str, TensorSpec]) -> None:
         required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
@@ -168,10 +180,29 @@ class HiddenStatesDataset(Dataset):
             return self._maps[k]
         with open(self._shards[k].path, "rb") as f:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if self.check_shards and k not in self._verified:
+            self._verify(k, mapped)
         self._maps[k] = mapped
         if len(self._maps) > MAX_OPEN_SHARDS:
             self._maps.popitem(last=False)
         return mapped
+
+    def _verify(self, k: int, mapped: mmap.mmap) -> None:
+        """Hash shard k's mapped bytes (whole file) and compare with the manifest's sha256."""
+        shard = self._shards[k]
+        if shard.sha256 is None:
+            return
+        with memoryview(mapped) as view:
+            digest = hashlib.sha256(view).hexdigest()
+        if digest != shard.sha256:
+            mapped.close()
+            raise DatasetError(
+                f"{shard.path}: sha256 differs from the manifest's, the shard is corrupt "
+                f"(same size, other bytes); re-extract only the corrupt shards with "
+                f"`draftsmith extract --config <the extract config> --output {self.path} "
+                "--repair true`"
+            )
+        self._verified.add(k)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Sample ``i``: ids/mask ``[T]`` and ``hidden_states`` ``[T, L, H]`` in ``self.dtype``."""
@@ -253,10 +284,12 @@ def open_dataset(
     dtype: torch.dtype = torch.float32,
     allow_incomplete: bool = False,
     verify_checksums: bool = False,
+    check_shards: bool = True,
 ) -> HiddenStatesDataset:
     """Open the dataset directory written by ``draftsmith extract``.
 
     ``dtype`` is the dtype of returned hidden states (fp8 is de-scaled into it).
-    ``verify_checksums`` re-hashes every shard against the manifest (reads all bytes).
+    ``verify_checksums`` re-hashes every shard against the manifest now (reads all bytes);
+    ``check_shards`` hashes each shard lazily instead, the first time a process maps it.
     """
-    return HiddenStatesDataset(path, dtype, allow_incomplete, verify_checksums)
+    return HiddenStatesDataset(path, dtype, allow_incomplete, verify_checksums, check_shards)

@@ -54,7 +54,19 @@ def read_head_config(head: str) -> dict:
         raise HeadError(
             f"head: {head} has no config.json; give a directory written by `draftsmith export`."
         )
-    return json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeadError(
+            f"head: {config_file} is not valid JSON ({err}); re-export the head with "
+            "`draftsmith export`."
+        ) from err
+    if not isinstance(config, dict):
+        raise HeadError(
+            f"head: {config_file} holds a JSON {type(config).__name__}, expected an object "
+            "({...} of the head's settings); re-export the head with `draftsmith export`."
+        )
+    return config
 
 
 def check_head(head: str, method: str, target: TargetInfo) -> dict:

@@ -69,6 +69,8 @@ class EvalConfig:
     """Share of a prompt's n-grams found in one training sample that counts as overlap."""
     output: str = "outputs/eval"
     """Directory for results.json, report.md and plots."""
+    overwrite: bool = False
+    """Write into `output` even if it is a file or a directory eval did not write."""
     wandb: bool = True
     """Log figures and tables to W&B (offline mode unless WANDB_API_KEY is set)."""
     seed: int = 0

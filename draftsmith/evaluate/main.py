@@ -21,7 +21,8 @@ from draftsmith import __version__
 from draftsmith.conversations.sources import DataError, SkipLog, load_many
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
-from draftsmith.core.errors import exit_code
+from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.outputs import EVAL_OWN, check_output
 from draftsmith.core.targets import read_target
 from draftsmith.evaluate.checks import HeadError, check_head, check_k, head_method
 from draftsmith.evaluate.config import EvalConfig
@@ -170,9 +171,22 @@ def main(args: list[str] | None = None) -> int:
     return exit_code(prog, lambda: run_stage(parse_config(EvalConfig, args, prog=prog)))
 
 
+def check_ranges(cfg: EvalConfig) -> None:
+    """Counts and sizes must be positive: a negative one is refused, never sliced with."""
+    for name in ("limit", "max_tokens", "concurrency", "overlap_ngram", "time_limit"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(
+                f"{name}: {value} is out of range; give a number >= 1"
+                + (" (or null for no limit)." if name in ("limit", "time_limit") else ".")
+            )
+
+
 def run_stage(cfg: EvalConfig) -> int:
     from draftsmith.evaluate.report import summary_table, write_report
 
+    check_ranges(cfg)
+    check_output(cfg.output, "output", EVAL_OWN, overwrite=cfg.overwrite)
     out = Path(cfg.output)
     with stage_log(out / "eval.log") as log:
         results, generations = evaluate(cfg)

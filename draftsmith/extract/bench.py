@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.core.config import parse_config
-from draftsmith.core.errors import exit_code
+from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.outputs import check_output
 from draftsmith.extract.config import EngineOptions, ExtractConfig
 
 
@@ -38,7 +39,10 @@ class BenchConfig:
     max_new_tokens: int = 256
     """Reply length cap."""
     output: str = "outputs/bench-extract"
-    """Where the benchmark datasets and `results.json` go (overwritten)."""
+    """Where the benchmark datasets and `results.json` go (an earlier bench-extract's output
+    is replaced; anything else is refused, see `overwrite`)."""
+    overwrite: bool = False
+    """Replace `output` even if bench-extract did not write it (it is deleted first)."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """vLLM engine options."""
 
@@ -183,6 +187,12 @@ def main(args: list[str] | None = None) -> int:
 
 def _main(args: list[str] | None) -> int:
     cfg = parse_config(BenchConfig, args, prog="draftsmith bench-extract")
+    if cfg.limit < 1 or cfg.max_new_tokens < 1:
+        raise ConfigError(
+            f"limit={cfg.limit}, max_new_tokens={cfg.max_new_tokens}: each must be at least 1"
+        )
+    own = ("results.json", "regen-*", "fixed-*")
+    check_output(cfg.output, "output", own, overwrite=cfg.overwrite)
     r = run_bench(cfg)
     a, b = r["a_plain_generation"], r["b_extract_regenerate_bf16"]
     c, hf = r["c_vllm_capture_only_fp8"], r["c_hf_output_hidden_states"]

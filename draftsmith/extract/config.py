@@ -26,7 +26,16 @@ class ExtractConfig:
     whole conversations with `:full`; `@heldout` is a fixed 2% slice), or `self:N` (N prompts
     the target writes itself)."""
     output: str = "outputs/extract"
-    """Dataset directory; re-running the same command resumes it."""
+    """Dataset directory; re-running the same command resumes it. A file, or a non-empty
+    directory extract did not write, is refused (see `overwrite`)."""
+    overwrite: bool = False
+    """Write into `output` even if it is a file or a directory extract did not write (a file
+    there is deleted; files of the same names are replaced)."""
+    repair: bool = False
+    """Check every finished shard's sha256 against its sidecar first, delete the shards that
+    differ and extract exactly those again (the rest of the dataset is kept)."""
+    encoding: str = "utf-8"
+    """Text encoding of JSON / JSONL data files (e.g. latin-1, cp1252)."""
     layer_ids: list[int] | None = None
     """Layers to capture in vLLM's meaning (k = residual stream after k decoder layers, 0 =
     embeddings, N = last layer before the final norm); null = [2, N//2, N-3, N]."""

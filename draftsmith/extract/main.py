@@ -18,6 +18,7 @@ from draftsmith.conversations.sources import DataError, SkipLog, load_many
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
 from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.outputs import EXTRACT_OWN, check_output
 from draftsmith.core.targets import (
     TargetError,
     default_layer_ids,
@@ -36,6 +37,14 @@ def check_config(cfg: ExtractConfig) -> None:
         )
     if cfg.samples_per_shard < 1:
         raise ConfigError(f"samples_per_shard: {cfg.samples_per_shard}; give a positive number.")
+    for name in ("limit", "max_new_tokens", "verify", "time_limit", "verify_tolerance"):
+        value = getattr(cfg, name)
+        low = 1 if name in ("limit", "max_new_tokens") else 0
+        if value is not None and value < low:
+            raise ConfigError(
+                f"{name}: {value} is out of range; give a number >= {low}"
+                + (" (or null for no limit)." if name in ("limit", "time_limit") else ".")
+            )
     if cfg.max_length < 2:
         raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
     if not 0.0 <= cfg.keep_replies <= 1.0:
@@ -89,7 +98,16 @@ def run(cfg: ExtractConfig) -> dict:
     plan.check_fingerprint(output, fp)
     config = {**to_dict(cfg), "model_path": target.path, "layer_ids": layer_ids}
     existing = output / "manifest.json"
-    if existing.is_file() and json.loads(existing.read_text()).get("complete"):
+    if cfg.repair and (output / manifest.PLAN_FILE).is_file():
+        planned = len(json.loads((output / manifest.PLAN_FILE).read_text())["shards"])
+        mine = [k for k in range(planned) if k % cfg.workers == cfg.worker]
+        bad = manifest.repair_shards(output, mine)
+        say(f"extract: repair: {len(bad)} of {len(mine)} shards failed their sha256"
+            + (f" ({', '.join(manifest.shard_name(k) for k in bad)}); extracting them again"
+               if bad else ""))  # fmt: skip
+        if bad:
+            manifest.build_manifest(output, target, layer_ids, config)
+    elif existing.is_file() and json.loads(existing.read_text()).get("complete"):
         return manifest.build_manifest(output, target, layer_ids, config)
 
     tokenizer = AutoTokenizer.from_pretrained(target.path)
@@ -97,7 +115,11 @@ def run(cfg: ExtractConfig) -> dict:
     file_specs = [s for s in cfg.data if not s.startswith("self:")]
     self_specs = [s for s in cfg.data if s.startswith("self:")]
     convs = load_many(
-        file_specs, bad_rows=cfg.bad_rows, require_assistant=not cfg.regenerate, skips=skips
+        file_specs,
+        bad_rows=cfg.bad_rows,
+        require_assistant=not cfg.regenerate,
+        skips=skips,
+        encoding=cfg.encoding,
     )
 
     # Sampling happens in a plain engine: vLLM 0.32's capture method corrupts sampled text.
@@ -275,6 +297,8 @@ def main(args: list[str] | None = None) -> int:
 
 
 def run_stage(cfg: ExtractConfig) -> int:
+    check_config(cfg)
+    check_output(cfg.output, "output", EXTRACT_OWN, overwrite=cfg.overwrite)
     with stage_log(Path(cfg.output) / "extract.log") as log:
         man = run(cfg)
     say(summary(man) + (f"\nlog: {log}" if log else ""))

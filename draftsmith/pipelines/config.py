@@ -36,7 +36,10 @@ class PipelineConfig:
     model: str = "smollm2-135m"
     """The target (directory, hub id or short name); given to extract and eval."""
     output: str = "outputs/pipeline/smollm2"
-    """Run directory: every artifact of every stage lives under it (layout in the docs)."""
+    """Run directory: every artifact of every stage lives under it (layout in the docs).
+    A file, or a non-empty directory no pipeline or study wrote, is refused."""
+    overwrite: bool = False
+    """Write into `output` even if it is a file or a directory the pipeline did not write."""
     data: str | None = None
     """An extracted dataset to train on instead of running the extract stage (its
     manifest's hash stands in for the stage's content address)."""
@@ -95,6 +98,21 @@ def seconds_of(duration: str) -> float:
     return sum(p * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400), strict=False))
 
 
+def read_yaml_mapping(path: Path, option: str) -> dict:
+    """A YAML file that must hold a mapping (``key: value`` lines); one line otherwise."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        problem = " ".join(str(err).split())
+        raise PipelineError(f"{option}: {path} cannot be read as YAML ({problem})") from err
+    if not isinstance(raw, dict):
+        raise PipelineError(
+            f"{option}: {path} holds a YAML {type(raw).__name__}, expected a mapping of "
+            "options (key: value lines, e.g. configs/pipelines/smollm2.yaml)"
+        )
+    return raw
+
+
 def parse_pipeline(args: list[str] | None) -> PipelineConfig:
     """Parse like every stage; the four sections are stage configs (class_path loggers and
     strategies included) that pass through verbatim to their stage, which parses them.
@@ -118,7 +136,7 @@ def parse_pipeline(args: list[str] | None) -> PipelineConfig:
         else:
             if not Path(path).is_file():
                 raise PipelineError(f"--config: {path} does not exist")
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = read_yaml_mapping(Path(path), "--config")
             for name in SECTIONS:
                 if name in raw:
                     sections[name] = merge(sections[name], raw.pop(name) or {})

@@ -39,6 +39,7 @@ from draftsmith.core.console import say, stage_log
 from draftsmith.core.engine import shared_engines
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
+from draftsmith.core.outputs import PIPELINE_OWN, check_output
 from draftsmith.pipelines.commands import COMMANDS
 from draftsmith.pipelines.config import (
     STAGES,
@@ -124,7 +125,7 @@ def _quiet_lightning():
 def run(cfg: PipelineConfig) -> dict[str, Any]:
     """Run (or resume) the pipeline; return the state written to pipeline.json."""
     plan = Plan(cfg)
-    out = Path(cfg.output)
+    out = check_output(cfg.output, "output", PIPELINE_OWN, overwrite=cfg.overwrite)
     out.mkdir(parents=True, exist_ok=True)
     state_file = out / "pipeline.json"
     state: dict[str, Any] = {"config": cfg.__dict__, "stages": {}}

@@ -29,11 +29,13 @@ from draftsmith.core.config import parse_config, section_overrides, set_dotted
 from draftsmith.core.console import say
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
+from draftsmith.core.outputs import PIPELINE_OWN, check_output
 from draftsmith.pipelines import curve
 from draftsmith.pipelines.config import (
     SECTIONS,
     PipelineError,
     parse_pipeline,
+    read_yaml_mapping,
 )
 from draftsmith.pipelines.main import run
 
@@ -53,6 +55,8 @@ class StudyConfig:
     """Point name -> dotted overrides of the pipeline YAML, e.g. {train.model.ttt_steps: 5}."""
     output: str = "outputs/study"
     """Run directory shared by every point (stages are reused across points)."""
+    overwrite: bool = False
+    """Write into `output` even if it is a file or a directory no study wrote."""
     k: int = 3
     """Draft length whose acceptance the table reports (the eval section must measure it)."""
     dataset: str = "mt_bench"
@@ -84,11 +88,15 @@ def parse_study(args: list[str] | None) -> StudyConfig:
 
 def point_configs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
     """Point name -> the whole pipeline config that point runs."""
-    base = yaml.safe_load(Path(cfg.pipeline).read_text())
+    if not Path(cfg.pipeline).is_file():
+        raise PipelineError(f"pipeline: {cfg.pipeline} does not exist; give a pipeline YAML")
+    base = read_yaml_mapping(Path(cfg.pipeline), "pipeline")
     common = apply_overrides(base, cfg.common)
     points = {}
     for name, overrides in cfg.points.items():
         points[name] = {**apply_overrides(common, overrides or {}), "output": cfg.output}
+        if cfg.overwrite:  # the study's own first point has made the directory its own
+            points[name]["overwrite"] = True
     return points
 
 
@@ -191,7 +199,8 @@ def main(args: list[str] | None = None) -> int:
 
 def _main(args: list[str] | None) -> int:
     cfg = parse_study(args)
-    out = Path(cfg.output)
+    out = check_output(cfg.output, "output", PIPELINE_OWN, overwrite=cfg.overwrite)
+    point_configs(cfg)  # a bad pipeline YAML fails before anything is written
     (out / "points").mkdir(parents=True, exist_ok=True)
     rows = []
     for name, point in point_configs(cfg).items():

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.core.config import parse_config, to_dict
-from draftsmith.core.errors import exit_code
+from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.outputs import check_output, json_from
 from draftsmith.core.targets import read_target
 from draftsmith.drafters import from_target_config
 from draftsmith.drafters.loss import ttt_loss
@@ -60,7 +61,10 @@ class BenchTrainConfig:
     attention: AttentionImpl = "auto"
     """TTT attention (as ``model.attention``): auto, blockwise, efficient or dense."""
     output: str | None = None
-    """Optional JSON file for the figures."""
+    """Optional JSON file for the figures (an existing file bench-train did not write is
+    refused; see `overwrite`)."""
+    overwrite: bool = False
+    """Replace `output` even if bench-train did not write it."""
 
 
 def run(cfg: BenchTrainConfig) -> dict:
@@ -152,7 +156,15 @@ def main(args: list[str] | None = None) -> int:
 
 def _main(args: list[str] | None) -> int:
     cfg = parse_config(BenchTrainConfig, args, prog="draftsmith bench-train")
-    result = run(cfg)
+    if cfg.steps < 1 or cfg.row_tokens < 1 or cfg.batch_size < 1 or cfg.ttt_steps < 1:
+        raise ConfigError(
+            f"steps={cfg.steps}, row_tokens={cfg.row_tokens}, batch_size={cfg.batch_size}, "
+            f"ttt_steps={cfg.ttt_steps}: each must be at least 1"
+        )
+    if cfg.output:
+        own = json_from("bench-train")
+        check_output(cfg.output, "output", own, overwrite=cfg.overwrite, is_file=True)
+    result = {"command": "bench-train", **run(cfg)}
     print(json.dumps(result, indent=2))
     if cfg.output:
         with open(cfg.output, "w") as f:

@@ -32,6 +32,7 @@ import torch
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.memory import evict, resident_fraction, warm
+from draftsmith.core.outputs import check_output, json_from
 from draftsmith.core.targets import TargetInfo, default_layer_ids, read_target, validate_layer_ids
 
 H100_TRAIN_TOKENS_PER_S = 9952
@@ -73,10 +74,15 @@ class BenchLoaderConfig:
     work_dir: str = "outputs/bench-loader"
     """Where the shards are written, in a fresh subdirectory; put it on the disk your
     datasets live on (a cold cache cannot be had on tmpfs)."""
+    check_shards: bool = True
+    """Check each shard's sha256 on first map, as training does (as ``data.check_shards``)."""
     keep: bool = False
     """Keep the written shards (by default their directory is removed at the end)."""
     output: str | None = "outputs/bench-loader/result.json"
-    """JSON file for the figures; null = print the table only."""
+    """JSON file for the figures; null = print the table only. An existing file
+    bench-loader did not write is refused (see `overwrite`)."""
+    overwrite: bool = False
+    """Replace `output` even if bench-loader did not write it."""
 
 
 def check_config(cfg: BenchLoaderConfig) -> None:
@@ -167,6 +173,7 @@ def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
         num_workers=workers,
         seed=cfg.seed,
         dtype=cfg.dtype,
+        check_shards=cfg.check_shards,
     )
     loader = module.train_dataloader()
     tokens = row_tokens = batches = 0
@@ -295,7 +302,13 @@ def table(result: dict) -> str:
 def main(args: list[str] | None = None) -> int:
     def go() -> int:
         cfg = parse_config(BenchLoaderConfig, args, prog="draftsmith bench-loader")
-        result = run(cfg)
+        check_config(cfg)
+        # work_dir only ever gets a fresh subdirectory: any directory there will do.
+        check_output(cfg.work_dir, "work_dir", lambda _dir: True)
+        if cfg.output:
+            own = json_from("bench-loader")
+            check_output(cfg.output, "output", own, overwrite=cfg.overwrite, is_file=True)
+        result = {"command": "bench-loader", **run(cfg)}
         print(table(result), flush=True)
         if cfg.output:
             Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,15 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     if path.is_dir() and (path / FSDP_METADATA).is_file():
         ckpt = read_fsdp_sharded(path)
     elif path.is_dir():  # DeepSpeed ZeRO: shards of weights and optimizer states
+        latest = path / "latest"
+        tag = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+        if not tag or not (path / tag).is_dir():
+            raise CheckpointError(
+                f"checkpoint: {path} is a directory but neither a DeepSpeed checkpoint (a "
+                "'latest' file naming a tag directory) nor a sharded FSDP one (meta.pt); "
+                "give a .ckpt file "
+                "`draftsmith train` wrote, or a sharded checkpoint directory"
+            )
         from lightning.pytorch.utilities.deepspeed import (
             convert_zero_checkpoint_to_fp32_state_dict,
         )

@@ -96,6 +96,9 @@ class StatesDataModule(pl.LightningDataModule):
             returning it (glibc ``mallopt``): at an 8B shape a packed row is ~100 MB and
             re-faulting it every batch cost 2.5x the loader's time (``make bench-loader``);
             the price is each worker keeping its peak heap (0.5-1.5 GB there).
+        check_shards: check each shard's sha256 against the manifest the first time a
+            process maps it, before any of its samples trains (a flipped byte anywhere is
+            refused in one line); false skips it (``make bench-loader`` measures the cost).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class StatesDataModule(pl.LightningDataModule):
         noise_std: float = 0.0,
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         workers_keep_memory: bool = True,
+        check_shards: bool = True,
     ) -> None:
         super().__init__()
         if row_tokens < 1 or batch_size < 1 or num_workers < 0 or noise_std < 0:
@@ -123,7 +127,7 @@ class StatesDataModule(pl.LightningDataModule):
         self.val_data = val_data
         self.num_workers, self.seed, self.noise_std = num_workers, seed, noise_std
         self.workers_keep_memory = workers_keep_memory
-        self.dataset = open_dataset(data, dtype=DTYPES[dtype])
+        self.dataset = open_dataset(data, dtype=DTYPES[dtype], check_shards=check_shards)
         self.manifest: dict[str, Any] = self.dataset.manifest
         self.layer_ids: list[int] = list(self.dataset.layer_ids)
         self.teacher_layer_id = teacher_layer_id(self.manifest, data)
@@ -136,7 +140,9 @@ class StatesDataModule(pl.LightningDataModule):
         )
         self.val_dataset = self.dataset
         if val_data:
-            self.val_dataset = open_dataset(val_data, dtype=DTYPES[dtype])
+            self.val_dataset = open_dataset(
+                val_data, dtype=DTYPES[dtype], check_shards=check_shards
+            )
             theirs = self.val_dataset.manifest
             for key in ("layer_ids", "hidden_size"):
                 if theirs.get(key) != self.manifest.get(key):

@@ -20,6 +20,7 @@ from draftsmith import drafters
 from draftsmith.core.config import parse_config
 from draftsmith.core.console import say
 from draftsmith.core.errors import exit_code
+from draftsmith.core.outputs import check_output, head_dir
 from draftsmith.core.targets import read_target
 from draftsmith.train.checkpoints import CheckpointError, head_from_checkpoint, read_checkpoint
 
@@ -33,7 +34,10 @@ class ExportConfig:
     """A ``.ckpt`` file written by ``draftsmith train`` (or a DeepSpeed / sharded FSDP
     checkpoint directory)."""
     output: str
-    """Directory to write: config.json, model.safetensors, README.md (model card)."""
+    """Directory to write: config.json, model.safetensors, README.md (model card). An
+    existing head directory export wrote is replaced; anything else is refused."""
+    overwrite: bool = False
+    """Replace `output` even if it is a file or a directory export did not write."""
     num_speculative_tokens: int = 3
     """k that ``vllm serve DIR`` uses by default."""
     dtype: str = "bfloat16"
@@ -79,6 +83,11 @@ def main(args: list[str] | None = None) -> int:
 
 
 def run_stage(cfg: ExportConfig) -> int:
+    check_output(cfg.output, "output", head_dir, overwrite=cfg.overwrite)
+    if cfg.num_speculative_tokens < 1:
+        raise CheckpointError(
+            f"num_speculative_tokens: {cfg.num_speculative_tokens}; give at least 1"
+        )
     out = export_checkpoint(cfg)
     say(f"exported: {out}  ({serve_hint(out)})")
     return 0

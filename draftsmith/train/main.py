@@ -30,6 +30,7 @@ from draftsmith.core.config import parse_errors
 from draftsmith.core.console import say, stage_log
 from draftsmith.core.cores import avoid_busy_cores
 from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.outputs import CHECKPOINTS_OWN, TRAIN_ROOT_OWN, check_output
 from draftsmith.train.data import StatesDataModule
 from draftsmith.train.module import DraftModule, cli_signature
 from draftsmith.train.progress import ConsoleProgress
@@ -67,6 +68,11 @@ class TrainCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         root = Path(config.trainer.default_root_dir or ".")
+        if config.trainer.default_root_dir:  # before the log file: nothing written yet
+            check_output(root, "trainer.default_root_dir", TRAIN_ROOT_OWN, overwrite_flag=None)
+        dirpath = config.get("checkpoint") and config.checkpoint.get("dirpath")
+        if dirpath:
+            check_output(dirpath, "checkpoint.dirpath", CHECKPOINTS_OWN, overwrite_flag=None)
         self.exit_stack.enter_context(stage_log(root / "train.log"))
 
     def instantiate_classes(self) -> None:
