@@ -11,6 +11,9 @@ BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.setup-$(BUILD)
 QUIET_PIP := grep -v "is ignored: it is neither" || true
 CONFIG ?=
+# Test processes: one per core (pytest-xdist); a module's tests stay in one process, so its
+# fixtures (tiny targets, engines) are built once. TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
 # `make demo VERBOSE=1` shows vLLM's and Lightning's logs live (else: <stage dir>/<stage>.log).
 ifdef VERBOSE
 export DRAFTSMITH_VERBOSE := 1
@@ -36,7 +39,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: setup lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check draftsmith tests

@@ -26,7 +26,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-
 def pin_xdist_worker() -> None:
     """Under ``pytest -n N`` (what ``make test`` runs), give each worker its own share of the
     cores, threads included: two processes whose OpenMP threads share cores wait on each
