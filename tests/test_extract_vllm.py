@@ -119,6 +119,34 @@ def test_states_equal_transformers_without_regeneration(tmp_path, tiny_model_dir
         assert ds[i]["loss_mask"].int().tolist() == ref.loss_mask
 
 
+def test_repair_extracts_exactly_the_corrupt_shard_again(tmp_path, tiny_model_dir):
+    """A byte flipped in one shard: reading it is refused in one line naming the repair
+    command; `--output DIR --repair true` alone (the settings come from the manifest) writes
+    that shard again, byte for byte as before, and leaves the other untouched."""
+    from draftsmith.core.errors import DatasetError
+    from draftsmith.extract.main import main
+
+    data = write_jsonl(tmp_path / "chats.jsonl", CHATS)
+    out = tmp_path / "ds"
+    args = [f"--model={tiny_model_dir}", f"--data=[{data}]", f"--output={out}"]
+    assert main([*args, "--samples_per_shard=2"]) == 0
+    first, second = out / "shard-00000.safetensors", out / "shard-00001.safetensors"
+    before = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in (first, second)}
+    raw = bytearray(before[second][0])
+    raw[-3] ^= 0x01  # a bit of the tensor data: the size and the header stay valid
+    second.write_bytes(bytes(raw))
+    ds = open_dataset(out)
+    with pytest.raises(DatasetError, match=f"--output {out} --repair true") as err:
+        [ds[i] for i in range(len(ds))]
+    assert "\n" not in str(err.value)
+    assert main([f"--output={out}", "--repair=true"]) == 0
+    assert first.stat().st_mtime_ns == before[first][1]  # the good shard was not rewritten
+    assert second.read_bytes() == before[second][0]  # the bad one is as extracted first
+    ds = open_dataset(out)
+    assert ds.manifest["complete"] and len(ds) == len(CHATS)
+    assert all(ds[i]["input_ids"].numel() for i in range(len(ds)))
+
+
 def test_a_mix_keeps_some_replies_and_regenerates_the_rest(tmp_path, tiny_model_dir, tokenizer):
     """`keep_replies: 0.5` with greedy regeneration: the second chat keeps its own replies
     (prefilled beside the others, token for token the chat template's); the target

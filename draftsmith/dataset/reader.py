@@ -199,8 +199,7 @@ class HiddenStatesDataset(Dataset):
             raise DatasetError(
                 f"{shard.path}: sha256 differs from the manifest's, the shard is corrupt "
                 f"(same size, other bytes); re-extract only the corrupt shards with "
-                f"`draftsmith extract --config <the extract config> --output {self.path} "
-                "--repair true`"
+                f"`draftsmith extract --output {self.path} --repair true`"
             )
         self._verified.add(k)
 

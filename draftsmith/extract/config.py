@@ -32,8 +32,10 @@ class ExtractConfig:
     """Write into `output` even if it is a file or a directory extract did not write (a file
     there is deleted; files of the same names are replaced)."""
     repair: bool = False
-    """Check every finished shard's sha256 against its sidecar first, delete the shards that
-    differ and extract exactly those again (the rest of the dataset is kept)."""
+    """Check every finished shard of `output` against its recorded sha256, delete the shards
+    that differ and extract exactly those again (the rest is kept). The settings are the
+    dataset's own, read from its manifest.json: only `output`, `workers` and `worker` are
+    taken from the command line."""
     encoding: str = "utf-8"
     """Text encoding of JSON / JSONL data files (e.g. latin-1, cp1252)."""
     layer_ids: list[int] | None = None

@@ -98,10 +98,11 @@ def run(cfg: ExtractConfig) -> dict:
     plan.check_fingerprint(output, fp)
     config = {**to_dict(cfg), "model_path": target.path, "layer_ids": layer_ids}
     existing = output / "manifest.json"
+    repaired: list[int] = []
     if cfg.repair and (output / manifest.PLAN_FILE).is_file():
         planned = len(json.loads((output / manifest.PLAN_FILE).read_text())["shards"])
         mine = [k for k in range(planned) if k % cfg.workers == cfg.worker]
-        bad = manifest.repair_shards(output, mine)
+        bad = repaired = manifest.repair_shards(output, mine)
         say(f"extract: repair: {len(bad)} of {len(mine)} shards failed their sha256"
             + (f" ({', '.join(manifest.shard_name(k) for k in bad)}); extracting them again"
                if bad else ""))  # fmt: skip
@@ -147,6 +148,8 @@ def run(cfg: ExtractConfig) -> dict:
         for k in range(len(shards))
         if k % cfg.workers == cfg.worker and not manifest.shard_done(output, k, shards[k])
     ]
+    if cfg.repair:  # exactly the shards that failed their checksum, nothing planned beyond
+        todo = [k for k in todo if k in repaired]
     written = {}
     if cfg.regenerate and cfg.temperature > 0:
         written = _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output)
@@ -291,12 +294,35 @@ def summary(man: dict) -> str:
     )
 
 
+def settings_to_repair(cfg: ExtractConfig) -> ExtractConfig:
+    """``--repair true`` on a dataset: the settings it was extracted with, read from its
+    ``manifest.json``, so that the shards written again are the ones planned; only
+    ``output``, ``workers`` and ``worker`` come from the command line."""
+    from draftsmith.core.config import parse_section
+
+    found = Path(cfg.output) / "manifest.json"
+    if not found.is_file():
+        raise ConfigError(
+            f"repair: {cfg.output} has no manifest.json, so nothing to repair; run the "
+            "extraction itself (without --repair) to write it"
+        )
+    stored = json.loads(found.read_text()).get("config")
+    if not isinstance(stored, dict):
+        raise ConfigError(f"repair: {found} records no extraction settings; re-extract it")
+    names = {f.name for f in dataclasses.fields(ExtractConfig)}
+    section = {k: v for k, v in stored.items() if k in names}
+    section.update(output=cfg.output, repair=True, workers=cfg.workers, worker=cfg.worker)
+    return parse_section(ExtractConfig, section, "draftsmith extract")
+
+
 def main(args: list[str] | None = None) -> int:
     prog = "draftsmith extract"
     return exit_code(prog, lambda: run_stage(parse_config(ExtractConfig, args, prog=prog)))
 
 
 def run_stage(cfg: ExtractConfig) -> int:
+    if cfg.repair:
+        cfg = settings_to_repair(cfg)
     check_config(cfg)
     check_output(cfg.output, "output", EXTRACT_OWN, overwrite=cfg.overwrite)
     with stage_log(Path(cfg.output) / "extract.log") as log:
