@@ -3,6 +3,7 @@
 draftsmith extract --config configs/extract/smollm2.yaml
 draftsmith train fit --config configs/train/smollm2.yaml
 draftsmith export --checkpoint CKPT --output DIR
+draftsmith convert --head SRC --to sglang --output DST [--model TARGET]
 draftsmith eval --config configs/eval/smollm2.yaml --head DIR
 draftsmith pipeline --config configs/pipelines/smollm2.yaml --verbose
 

@@ -202,6 +202,7 @@ def command_args(command: str, out: Path, ctx: dict) -> list[str]:
             f"--checkpoint.dirpath={out}",
         ],
         "export": ["export", f"--checkpoint={ctx['ckpt']}", f"--output={out}"],
+        "convert": ["convert", f"--head={ctx['tmp']}", "--to=vllm", f"--output={out}"],
         "eval": ["eval", f"--model={model}", f"--datasets=[{chats}]", f"--output={out}"],
         "pipeline": [
             "pipeline",
@@ -222,6 +223,7 @@ COMMANDS = [
     "train",
     "train-ckpt",
     "export",
+    "convert",
     "eval",
     "pipeline",
     "study",

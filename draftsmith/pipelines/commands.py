@@ -42,6 +42,11 @@ COMMANDS = {
         "write a trained head as a directory vLLM serves",
         "draftsmith.train.export:ExportConfig",
     ),
+    "convert": Command(
+        "draftsmith.train.convert",
+        "read a published EAGLE-3 head in any layout, write it for vllm/sglang/trtllm/...",
+        "draftsmith.train.convert:ConvertConfig",
+    ),
     "eval": Command(
         "draftsmith.evaluate.main",
         "measure a head's acceptance and speed in vLLM",

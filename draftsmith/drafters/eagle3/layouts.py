@@ -1,0 +1,258 @@
+"""Read an EAGLE-3 head published in any common layout into an :class:`Eagle3Head`.
+
+Layouts (``detect_layout``), each recognised by its config and tensor names:
+
+- ``draftsmith``: ours (``export.py``): ``Eagle3LlamaForCausalLM``, ``midlayer.*``.
+- ``eagle``: SafeAILab EAGLE-3 (``eagle/traineagle3``): ``LlamaForCausalLM`` with
+  ``draft_vocab_size``, ``midlayer.*``, ``d2t`` and ``t2d``; no tapped-layer ids (its
+  consumers tap ``[2, N // 2, N - 3]``).
+- ``speculators``: ``Eagle3Speculator``, the layer config nested in
+  ``transformer_layer_config``, ``layers.0.*`` (``speculators/models/eagle3/config.py``).
+- ``modelopt``: NVIDIA ModelOpt, ``LlamaForCausalLMEagle3`` with an ``eagle_config`` block,
+  ``layers.0.*`` or ``midlayer.*``, ``lm_head`` sometimes left to the target.
+- ``sglang``: SGLang / SpecForge, ``LlamaForCausalLMEagle3``, ``midlayer.*``
+  (``python/sglang/srt/models/llama_eagle3.py``).
+
+Tensor names become ours: ``layers.0.`` -> ``midlayer.`` (TensorRT-LLM's multi-layer
+``midlayer.{i}.`` -> ``midlayer.`` / ``layers.{i}.``), a leading ``model.`` dropped; ``t2d``
+and ``embed_tokens`` are dropped (derived from ``d2t`` / shared with the target); ``d2t`` is
+kept when the draft vocabulary is reduced. A config without tapped-layer ids gets the default
+taps once the target is known, recorded as ``layer_ids_defaulted``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from draftsmith.core.targets import TargetInfo, text_config
+from draftsmith.drafters.eagle3.head import Eagle3Head
+from draftsmith.drafters.headfiles import HeadError
+from draftsmith.drafters.llama import target_sizes
+from draftsmith.drafters.target_weights import load_target_weights
+
+LAYOUTS = ("draftsmith", "eagle", "speculators", "modelopt", "sglang")
+DROPPED = ("t2d", "embed_tokens.weight")
+
+
+@dataclass
+class HeadFacts:
+    """What a head's files say beyond its weights."""
+
+    layout: str
+    source: str
+    layer_ids: list[int] | None
+    """Tapped target layers (vLLM's meaning); None until a target gives the default."""
+    layer_ids_defaulted: bool = False
+    """True when the source named no ids and the default ``[2, N // 2, N - 3]`` was used."""
+    verifier: str | None = None
+    """The target the source names (speculators ``verifier.name_or_path``), if any."""
+    lm_head_from_target: bool = False
+    """The source shipped no ``lm_head``: its rows were taken from the target's."""
+    dtype: torch.dtype = torch.bfloat16
+    notes: list[str] = field(default_factory=list)
+
+
+def detect_layout(config: dict[str, Any], names: list[str] | set[str]) -> str:
+    """The layout (``LAYOUTS``) of a head with this ``config.json`` and these tensor names."""
+    arch = (config.get("architectures") or ["?"])[0]
+    layers0 = any(n.startswith(("layers.0.", "model.layers.0.")) for n in names)
+    midlayer = any(n.startswith(("midlayer.", "model.midlayer.")) for n in names)
+    if arch == "Eagle3Speculator" or (
+        config.get("speculators_model_type") == "eagle3" and arch != "Eagle3LlamaForCausalLM"
+    ):
+        return "speculators"
+    if arch == "Eagle3LlamaForCausalLM":
+        return "draftsmith"
+    if arch == "LlamaForCausalLMEagle3":
+        # ModelOpt's eagle_config carries its own keys; SpecForge's names at most the taps.
+        eagle = set(config.get("eagle_config") or {}) - {"eagle_aux_hidden_state_layer_ids"}
+        return "modelopt" if eagle or layers0 else "sglang"
+    if arch == "LlamaForCausalLM" and (midlayer or "draft_vocab_size" in config):
+        return "eagle"
+    if arch == "LlamaForCausalLM" and layers0:
+        raise HeadError(
+            "head: an EAGLE-1 head (LlamaForCausalLM, layers.0.*, fc 2H -> H); EAGLE-1 "
+            "conversion is not supported yet (convert reads EAGLE-3 heads)."
+        )
+    raise HeadError(
+        f"head: architecture {arch!r} with tensors {sorted(names)[:3]}... is no EAGLE-3 "
+        f"layout convert knows ({', '.join(LAYOUTS)})."
+    )
+
+
+def read_tensors(head_dir: Path) -> dict[str, Tensor]:
+    """Every tensor of a head directory: ``*.safetensors``, else ``pytorch_model.bin``."""
+    files = sorted(head_dir.glob("*.safetensors"))
+    tensors: dict[str, Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    if not files:
+        binary = head_dir / "pytorch_model.bin"
+        if not binary.is_file():
+            raise HeadError(f"head: {head_dir} has no *.safetensors and no pytorch_model.bin")
+        tensors = torch.load(binary, map_location="cpu", weights_only=True)
+    return tensors
+
+
+def rename(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
+    """Source names -> ours (module docstring)."""
+    out: dict[str, Tensor] = {}
+    for name, value in tensors.items():
+        name = name.removeprefix("model.")
+        if name in DROPPED:
+            continue
+        name = re.sub(r"^layers\.0\.", "midlayer.", name)
+        if num_layers > 1:  # TensorRT-LLM's multi-layer names
+            name = re.sub(r"^midlayer\.0\.", "midlayer.", name)
+            name = re.sub(r"^midlayer\.(\d+)\.", r"layers.\1.", name)
+        out[name] = value
+    return out
+
+
+def layer_config(config: dict[str, Any], layout: str) -> dict[str, Any]:
+    """The decoder-layer fields of the head (speculators nests them)."""
+    if layout == "speculators":
+        return {**config, **config.get("transformer_layer_config", {})}
+    return config
+
+
+def _flag(config: dict[str, Any], key: str, default: bool = False) -> bool:
+    eagle = config.get("eagle_config") or {}
+    return bool(eagle.get(key, config.get(key, default)))
+
+
+def read_head(
+    head_dir: str | Path, target_config: dict[str, Any] | None = None
+) -> tuple[Eagle3Head, HeadFacts]:
+    """The head in ``head_dir`` (any ``LAYOUTS`` layout) and its facts. ``target_config``
+    fills what the head leaves to the target (default taps); checks against the target
+    are ``check_against_target``'s."""
+    head_dir = Path(head_dir)
+    config_file = head_dir / "config.json"
+    if not config_file.is_file():
+        raise HeadError(f"head: {head_dir} has no config.json")
+    config = json.loads(config_file.read_text())
+    raw = read_tensors(head_dir)
+    layout = detect_layout(config, set(raw))
+    layer = layer_config(config, layout)
+    sizes = target_sizes(layer)
+    num_layers = int(layer.get("num_hidden_layers", 1))
+    tensors = rename(raw, num_layers)
+    if "fc.weight" not in tensors:
+        raise HeadError(f"head: {head_dir} has no fc.weight; not an EAGLE-3 head")
+    target_hidden = int(config.get("target_hidden_size") or sizes["hidden_size"])
+    fc_in = tensors["fc.weight"].shape[1]
+    if fc_in % target_hidden:
+        raise HeadError(
+            f"head: fc.weight reads {fc_in} features, not a multiple of the target hidden "
+            f"size {target_hidden}"
+        )
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") or config.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    draft_vocab = int(config.get("draft_vocab_size") or sizes["vocab_size"])
+    facts = HeadFacts(
+        layout=layout,
+        source=str(head_dir),
+        layer_ids=list(ids) if ids else None,
+        verifier=((config.get("speculators_config") or {}).get("verifier") or {}).get(
+            "name_or_path"
+        ),
+        dtype=next(t.dtype for t in tensors.values() if t.is_floating_point()),
+    )
+    mask = tensors.get("mask_hidden")
+    kwargs = dict(
+        sizes,
+        num_layers=num_layers,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target_hidden,
+        num_aux_states=fc_in // target_hidden,
+        attention_bias=bool(layer.get("attention_bias", False)),
+        # vLLM reads a speculators config without the flag as True (algos.update_eagle3).
+        norm_before_residual=_flag(config, "norm_before_residual", layout == "speculators"),
+        norm_output=_flag(config, "norm_output") or _flag(config, "return_hidden_post_norm"),
+        norm_before_fc=_flag(config, "norm_before_fc") or "input_norm.weight" in tensors,
+        fc_norm=_flag(config, "fc_norm") or "fc_norm.0.weight" in tensors,
+        parallel_drafting=mask is not None,
+        mask_token_id=config.get("mask_token_id"),
+    )
+    head = Eagle3Head(**kwargs)
+    if mask is not None:
+        tensors["mask_hidden"] = mask.reshape(-1)
+    d2t = tensors.pop("d2t", None)
+    if draft_vocab < sizes["vocab_size"]:
+        if d2t is None:
+            raise HeadError(
+                f"head: draft_vocab_size {draft_vocab} < vocab_size {sizes['vocab_size']} "
+                "but no d2t maps draft ids to target ids"
+            )
+        target_ids = d2t.long() + torch.arange(d2t.numel())
+        if not (0 <= int(target_ids.min()) and int(target_ids.max()) < sizes["vocab_size"]):
+            raise HeadError(f"head: d2t maps draft ids outside 0..{sizes['vocab_size'] - 1}")
+        try:
+            head.set_draft_vocab(target_ids)
+        except ValueError as err:
+            raise HeadError(f"head: d2t is not a vocabulary map ({err})") from err
+    if "lm_head.weight" not in tensors:
+        facts.lm_head_from_target = True
+        tensors["lm_head.weight"] = head.lm_head.weight.detach().clone()  # filled later
+    state = {k: v for k, v in head.state_dict().items() if k != "d2t"}
+    missing = sorted(set(state) - set(tensors))
+    extra = sorted(set(tensors) - set(state))
+    if missing or extra:
+        raise HeadError(
+            f"head: {layout} layout, but tensors {missing[:4]} are missing and "
+            f"{extra[:4]} are unknown"
+        )
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(state[name].shape):
+            raise HeadError(
+                f"head: {name} is {list(value.shape)}, the config says {list(state[name].shape)}"
+            )
+    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    if facts.layer_ids is None and target_config is not None:
+        n = text_config(target_config)["num_hidden_layers"]
+        facts.layer_ids, facts.layer_ids_defaulted = [2, n // 2, n - 3], True
+    return head, facts
+
+
+def fit_to_target(head: Eagle3Head, facts: HeadFacts, target: TargetInfo) -> None:
+    """Refuse, in one line, a head that cannot draft for ``target`` (hidden size,
+    vocabulary, tapped layers, vocabulary map); give a head without ``lm_head`` the
+    target's rows for its draft vocabulary."""
+    k, n = head.init_kwargs, target.num_hidden_layers
+    if k["target_hidden_size"] != target.hidden_size:
+        raise HeadError(
+            f"head: reads target states of size {k['target_hidden_size']}, but "
+            f"{target.path} has hidden size {target.hidden_size}"
+        )
+    if head.vocab_size != target.vocab_size:
+        raise HeadError(
+            f"head: vocabulary of {head.vocab_size} ids, but {target.path} has {target.vocab_size}"
+        )
+    if facts.layer_ids is None:
+        facts.layer_ids, facts.layer_ids_defaulted = [2, n // 2, n - 3], True
+    ids = facts.layer_ids
+    bad = [i for i in ids if not 0 <= i <= n]
+    if bad:
+        raise HeadError(f"head: taps layers {bad}, outside {target.path}'s 0..{n}")
+    if len(ids) != k["num_aux_states"]:
+        how = "the default taps" if facts.layer_ids_defaulted else "its config's ids"
+        raise HeadError(
+            f"head: fc reads {k['num_aux_states']} target states but {how} {ids} are {len(ids)}"
+        )
+    if facts.lm_head_from_target:
+        rows = load_target_weights(target).lm_head
+        ids_t = head.draft_to_target(torch.arange(head.draft_vocab_size))
+        with torch.no_grad():
+            head.lm_head.weight.copy_(rows[ids_t].float())
+        facts.notes.append("lm_head taken from the target's rows of the draft vocabulary")

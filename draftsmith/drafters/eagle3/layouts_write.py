@@ -1,0 +1,222 @@
+"""Write an EAGLE-3 head for a named consumer, in the names and config keys its loader reads.
+
+Each writer follows the consumer's own loader (cited per writer) and writes every tensor it
+loads and nothing it would skip; ``limits`` refuses a head the consumer would build
+differently from ours (a flag it lacks is silently a different model, never an error there).
+
+- ``vllm``: our export (``export.py``), vLLM's ``model_executor/models/llama_eagle3.py``.
+- ``sglang``: ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``):
+  params ``midlayer.*``, ``fc``, ``norm``, ``lm_head``; ``d2t`` becomes ``hot_token_id``,
+  ``t2d`` is skipped; any other name is silently skipped, so ``layers.0.*`` is never written.
+- ``trtllm``: ``tensorrt_llm/_torch/models/modeling_speculative.py`` (``Eagle3DraftModel``):
+  ``midlayer.*``, ``fc``, ``norm``, ``lm_head`` (else the target's), ``d2t`` when reduced,
+  ``input_norm`` / ``fc_norm.{i}``; ``eagle_config.norm_before_fc``, top-level ``fc_norm``
+  and ``norm_output``, ``draft_vocab_size``, ``target_hidden_size``.
+- ``eagle``: SafeAILab EAGLE-3 (not verified against ``eagle/model/cnets.py`` here: the
+  layout table of the issue): ``LlamaForCausalLM``, ``midlayer.*``, ``d2t`` and ``t2d``.
+- ``speculators``: ``speculators/models/eagle3/config.py`` (``Eagle3SpeculatorConfig``):
+  ``Eagle3Speculator``, ``transformer_layer_config``, ``speculators_config``, ``layers.0.*``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.core.targets import text_config
+from draftsmith.drafters.eagle3.export import eagle3_config, eagle3_tensors
+from draftsmith.drafters.eagle3.head import Eagle3Head
+from draftsmith.drafters.eagle3.layouts import HeadFacts
+from draftsmith.drafters.headfiles import (
+    HeadError,
+    llama_head_fields,
+    speculators_fields,
+    write_head_dir,
+    write_json,
+)
+
+CONSUMERS = ("vllm", "sglang", "trtllm", "eagle", "speculators")
+CARD_MARK = "Converted by `draftsmith convert`"
+
+
+def limits(
+    head: Eagle3Head, facts: HeadFacts, consumer: str, k: int, target_layers: int | None
+) -> None:
+    """Refuse, in one line, a head ``consumer`` would not serve as it was trained
+    (``target_layers``: the target's depth, None when no target was given)."""
+    kw = head.init_kwargs
+    if consumer not in CONSUMERS:
+        raise HeadError(f"to: {consumer!r} is not a consumer; use one of {list(CONSUMERS)}")
+    if k < 1:
+        raise HeadError(f"num_speculative_tokens: {k}; give at least 1")
+    if consumer == "vllm":
+        return
+    flags = {
+        "parallel_drafting (P-EAGLE)": kw["parallel_drafting"],
+        "num_hidden_layers > 1 (its later layers are another block)": kw["num_layers"] > 1,
+        "norm_before_residual": kw["norm_before_residual"],
+    }
+    if consumer in ("sglang", "eagle"):
+        flags |= {
+            "norm_output": kw["norm_output"],
+            "norm_before_fc": kw["norm_before_fc"],
+            "fc_norm": kw["fc_norm"],
+            f"{kw['num_aux_states']} tapped layers (it reads exactly 3)": kw["num_aux_states"] != 3,
+        }
+    if consumer == "trtllm":
+        flags["norm_before_fc together with fc_norm"] = kw["norm_before_fc"] and kw["fc_norm"]
+    if consumer == "speculators":
+        flags.pop("norm_before_residual")
+    found = [name for name, on in flags.items() if on]
+    if found:
+        raise HeadError(
+            f"to {consumer}: the head uses {', '.join(found)}, which {consumer}'s loader "
+            "does not build; it would serve another model. Serve it with --to vllm."
+        )
+    if consumer == "eagle" and facts.layer_ids and not facts.layer_ids_defaulted:
+        n = target_layers
+        if n is None:
+            raise HeadError(
+                f"to eagle: the head taps {facts.layer_ids} and SafeAILab EAGLE always taps "
+                "[2, N // 2, N - 3]; give --model TARGET so they can be checked"
+            )
+        if facts.layer_ids != [2, n // 2, n - 3]:
+            raise HeadError(
+                f"to eagle: the head taps {facts.layer_ids}; SafeAILab EAGLE always taps "
+                f"[2, N // 2, N - 3] = {[2, n // 2, n - 3]}. Serve it with --to vllm."
+            )
+
+
+def _rename(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in tensors.items()}
+
+
+def _with_t2d(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``d2t`` (int64, also for a full vocabulary) and ``t2d`` (bool [vocab])."""
+    draft = torch.arange(head.draft_vocab_size)
+    d2t = head.draft_to_target(draft) - draft
+    t2d = torch.zeros(head.vocab_size, dtype=torch.bool)
+    t2d[head.draft_to_target(draft)] = True
+    return {**tensors, "d2t": d2t.cpu(), "t2d": t2d}
+
+
+def consumer_files(
+    head: Eagle3Head,
+    facts: HeadFacts,
+    consumer: str,
+    target_config: dict[str, Any],
+    verifier: str,
+    k: int,
+    dtype: torch.dtype,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json, tensors) of ``head`` for ``consumer``."""
+    ids = facts.layer_ids
+    reduced = head.draft_vocab_size != head.vocab_size
+    tensors = eagle3_tensors(head, dtype)  # ours: vLLM's names, d2t only when reduced
+    if consumer == "vllm":
+        return eagle3_config(head, target_config, ids, k, verifier, dtype), tensors
+    kw = head.init_kwargs
+    config, layer = llama_head_fields(head, "LlamaForCausalLM", target_config, dtype)
+    if consumer == "sglang":
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        if ids:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
+        return config, _with_t2d(head, tensors) if reduced else tensors
+    if consumer == "trtllm":
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        config["eagle_config"] = {
+            "norm_before_fc": bool(kw["norm_before_fc"]),
+            "return_hidden_post_norm": bool(kw["norm_output"]),
+            **({"eagle_aux_hidden_state_layer_ids": ids} if ids else {}),
+        }
+        config["fc_norm"], config["norm_output"] = bool(kw["fc_norm"]), bool(kw["norm_output"])
+        return config, tensors
+    if consumer == "eagle":
+        return config, _with_t2d(head, tensors)
+    # speculators
+    config["architectures"] = ["Eagle3Speculator"]
+    for key in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm"):
+        config[key] = bool(kw[key])
+    if ids:
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+    config |= speculators_fields("eagle3", layer, k, verifier, target_config)
+    tensors = _rename(tensors, "midlayer.", "layers.0.")
+    return config, _with_t2d(head, tensors) if reduced else tensors
+
+
+def serve_command(consumer: str, out_dir: Path, target: str, facts: HeadFacts, k: int) -> str:
+    """The command that serves the written head with ``target``."""
+    if consumer == "vllm":
+        spec = {"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": k}
+        return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+    if consumer == "speculators":
+        return f"vllm serve {out_dir}"
+    if consumer == "sglang":
+        return (
+            f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        )
+    if consumer == "trtllm":
+        spec = {
+            "decoding_type": "Eagle",
+            "max_draft_len": k,
+            "speculative_model_dir": str(out_dir),
+            "eagle3_one_model": True,
+        }
+        if facts.layer_ids and not facts.layer_ids_defaulted:
+            spec["eagle3_layers_to_capture"] = facts.layer_ids
+        yaml = json.dumps({"speculative_config": spec})
+        return (
+            f"echo '{yaml}' > spec.yaml && trtllm-serve {target} "
+            "--extra_llm_api_options spec.yaml  (Dynamo: the same speculative_config)"
+        )
+    return (
+        f"python -m eagle.application.webui --ea-model-path {out_dir} "
+        f"--base-model-path {target} --model-type llama3 --total-token {k + 1}"
+    )
+
+
+def write_head(
+    head: Eagle3Head,
+    facts: HeadFacts,
+    consumer: str,
+    out_dir: Path,
+    target_config: dict[str, Any],
+    *,
+    verifier: str,
+    num_speculative_tokens: int = 3,
+    dtype: torch.dtype = torch.bfloat16,
+    target_layers: bool = True,
+) -> Path:
+    """Write ``head`` for ``consumer`` to ``out_dir`` (atomically); returns the directory.
+    ``target_config`` is the target's (or a stand-in built from the head when no target
+    was given: then ``target_layers`` is False, the target's depth unknown)."""
+    k = num_speculative_tokens
+    n = text_config(target_config)["num_hidden_layers"] if target_layers else None
+    limits(head, facts, consumer, k, n)
+    config, tensors = consumer_files(head, facts, consumer, target_config, verifier, k, dtype)
+    final = Path(out_dir).absolute()
+    command = serve_command(consumer, final, verifier, facts, k)
+    taps = facts.layer_ids or "the consumer's default"
+    card = "\n\n".join(
+        [
+            f"# EAGLE-3 draft head for `{verifier}`, written for {consumer}",
+            f"{CARD_MARK} from `{facts.source}` ({facts.layout} layout).",
+            f"Tapped target layers: {taps}"
+            + (" (defaulted: the source names none)" if facts.layer_ids_defaulted else ""),
+            *facts.notes,
+            f"Serve it:\n\n```bash\n{command}\n```",
+        ]
+    )
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
+        write_json(tmp / "config.json", config)
+        (tmp / "README.md").write_text(card + "\n")
+
+    return write_head_dir(out_dir, write)

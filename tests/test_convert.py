@@ -1,0 +1,227 @@
+"""`draftsmith convert`: EAGLE-3 heads read from every published layout, written for each
+consumer in its loader's names and config keys (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.cli import main as cli_main
+from draftsmith.drafters import from_target_config
+from draftsmith.drafters.eagle3.layouts import detect_layout, read_head
+from draftsmith.drafters.eagle3.layouts_write import write_head
+from draftsmith.drafters.headfiles import HeadError
+
+DRAFT_VOCAB = 64
+LAYER = [
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+]
+TOP = {"fc.weight", "norm.weight", "lm_head.weight", "d2t"}
+EXPECTED = {  # consumer -> (architecture, layer prefix, extra tensors, layout read back)
+    "vllm": ("Eagle3LlamaForCausalLM", "midlayer.", set(), "draftsmith"),
+    "sglang": ("LlamaForCausalLMEagle3", "midlayer.", {"t2d"}, "sglang"),
+    "trtllm": ("LlamaForCausalLMEagle3", "midlayer.", set(), "modelopt"),
+    "eagle": ("LlamaForCausalLM", "midlayer.", {"t2d"}, "eagle"),
+    "speculators": ("Eagle3Speculator", "layers.0.", {"t2d"}, "speculators"),
+}
+
+
+def target_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def random_head(model_dir: Path, seed: int = 0, **options):
+    """A random EAGLE-3 head for the target, reduced vocabulary, random norms."""
+    torch.manual_seed(seed)
+    config = target_config(model_dir)
+    options = {"draft_vocab_size": DRAFT_VOCAB, "num_layers": 1, **options}
+    head = from_target_config(config, "eagle3", **options)
+    if head.draft_vocab_size < head.vocab_size:
+        ids = torch.randperm(config["vocab_size"])[: head.draft_vocab_size].sort().values
+        head.set_draft_vocab(ids)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return head, config
+
+
+def write(head, config, consumer, out, layer_ids=(2, 4, 5), dtype=torch.float32):
+    head_, facts = head, _facts(list(layer_ids) if layer_ids else None)
+    return write_head(head_, facts, consumer, out, config, verifier="tiny", dtype=dtype)
+
+
+def _facts(ids):
+    from draftsmith.drafters.eagle3.layouts import HeadFacts
+
+    return HeadFacts(layout="draftsmith", source="test", layer_ids=ids)
+
+
+def assert_same(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+    assert torch.equal(a.t2d, b.t2d)
+
+
+@pytest.mark.parametrize("consumer", list(EXPECTED))
+def test_each_consumer_round_trips(tmp_path, tiny_model_dir, consumer):
+    head, config = random_head(tiny_model_dir)
+    out = write(head, config, consumer, tmp_path / consumer)
+    arch, prefix, extra, layout = EXPECTED[consumer]
+    written = json.loads((out / "config.json").read_text())
+    names = set(load_file(out / "model.safetensors"))
+    assert written["architectures"] == [arch]
+    assert names == {prefix + n for n in LAYER} | TOP | extra
+    assert written["draft_vocab_size"] == DRAFT_VOCAB
+    assert written["target_hidden_size"] == config["hidden_size"]
+    back, facts = read_head(out)
+    assert facts.layout == layout == detect_layout(written, names)
+    # SafeAILab EAGLE names no taps (its consumers use 2, N/2, N-3)
+    assert facts.layer_ids == (None if consumer == "eagle" else [2, 4, 5])
+    assert not facts.layer_ids_defaulted
+    assert_same(head, back)
+
+
+def test_consumer_config_keys(tmp_path, tiny_model_dir):
+    head, config = random_head(tiny_model_dir)
+    cfgs = {
+        c: json.loads((write(head, config, c, tmp_path / c) / "config.json").read_text())
+        for c in EXPECTED
+    }
+    assert cfgs["vllm"]["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    assert cfgs["vllm"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfgs["sglang"]["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    assert cfgs["trtllm"]["eagle_config"] == {
+        "norm_before_fc": False,
+        "return_hidden_post_norm": False,
+        "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+    }
+    assert cfgs["trtllm"]["fc_norm"] is False and cfgs["trtllm"]["norm_output"] is False
+    assert "eagle_config" not in cfgs["eagle"]
+    assert "eagle_aux_hidden_state_layer_ids" not in cfgs["eagle"]
+    spec = cfgs["speculators"]
+    assert spec["speculators_model_type"] == "eagle3"
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    assert spec["transformer_layer_config"]["hidden_size"] == config["hidden_size"]
+    assert spec["norm_before_residual"] is False
+    for c in cfgs.values():
+        assert c["tie_word_embeddings"] is False
+
+
+def test_sglang_output_never_has_layers_0(tmp_path, tiny_model_dir):
+    head, config = random_head(tiny_model_dir)
+    # from the speculators layout (layers.0.*) to SGLang: renamed, never passed through
+    src = write(head, config, "speculators", tmp_path / "src")
+    back, facts = read_head(src)
+    out = write_head(back, facts, "sglang", tmp_path / "sg", config, verifier="tiny")
+    names = set(load_file(out / "model.safetensors"))
+    assert not any(n.startswith("layers.") for n in names)
+    assert {n for n in names if n.startswith("midlayer.")} == {"midlayer." + n for n in LAYER}
+
+
+def test_full_vocabulary_writes_no_map_for_vllm(tmp_path, tiny_model_dir):
+    head, config = random_head(tiny_model_dir, draft_vocab_size=None)
+    out = write(head, config, "vllm", tmp_path / "v")
+    assert "d2t" not in load_file(out / "model.safetensors")
+    out = write(head, config, "eagle", tmp_path / "e")  # SafeAILab always ships both maps
+    back, _ = read_head(out)
+    assert_same(head, back)
+
+
+def test_modelopt_without_lm_head_takes_target_rows(tmp_path, tiny_model_dir):
+    """ModelOpt: layers.0.*, eagle_config, no t2d, lm_head left to the target."""
+    head, config = random_head(tiny_model_dir)
+    out = write(head, config, "trtllm", tmp_path / "m")
+    tensors = load_file(out / "model.safetensors")
+    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    del tensors["lm_head.weight"]
+    save_file(tensors, out / "model.safetensors")
+    code = cli_main(
+        ["convert", f"--head={out}", "--to=vllm", f"--output={tmp_path / 'v'}",
+         f"--model={tiny_model_dir}", "--dtype=float32"]
+    )  # fmt: skip
+    assert code == 0
+    back, facts = read_head(tmp_path / "v")
+    from draftsmith.core.targets import read_target
+    from draftsmith.drafters.target_weights import load_target_weights
+
+    rows = load_target_weights(read_target(str(tiny_model_dir))).lm_head
+    ids = head.draft_to_target(torch.arange(DRAFT_VOCAB))
+    assert torch.equal(back.lm_head.weight, rows[ids].float())
+    assert torch.equal(back.fc.weight, head.fc.weight)
+
+
+def test_eagle_layout_gets_default_taps(tmp_path, tiny_model_dir, capsys):
+    head, config = random_head(tiny_model_dir)
+    src = write(head, config, "eagle", tmp_path / "eagle")
+    out = tmp_path / "vllm"
+    args = ["convert", f"--head={src}", "--to=vllm", f"--output={out}", "--dtype=float32"]
+    assert cli_main(args) == 2  # no taps, no target
+    assert "names no tapped layers" in capsys.readouterr().err
+    assert cli_main([*args, f"--model={tiny_model_dir}"]) == 0
+    printed = capsys.readouterr().out
+    assert "vllm serve" in printed and str(out) in printed
+    written = json.loads((out / "config.json").read_text())
+    assert written["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # 2, N/2, N-3 of 8
+    assert "(defaulted" in (out / "README.md").read_text()
+    assert_same(head, read_head(out)[0])
+
+
+def test_wrong_target_refused_in_one_line(tmp_path, tiny_model_dir, make_tiny_llama, capsys):
+    head, config = random_head(tiny_model_dir)
+    src = write(head, config, "vllm", tmp_path / "src")
+    wide = make_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512)
+    out = tmp_path / "o"
+    capsys.readouterr()
+    code = cli_main(["convert", f"--head={src}", "--to=sglang", f"--output={out}",
+                     f"--model={wide}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "hidden size 256" in err and not out.exists()
+
+
+def test_consumer_limits_refused(tmp_path, tiny_model_dir):
+    head, config = random_head(tiny_model_dir, num_layers=2)
+    for consumer in ("sglang", "trtllm", "eagle", "speculators"):
+        with pytest.raises(HeadError, match="num_hidden_layers > 1"):
+            write(head, config, consumer, tmp_path / consumer)
+    write(head, config, "vllm", tmp_path / "vllm")  # vLLM builds every layer
+    head, config = random_head(tiny_model_dir, fc_norm=True)
+    with pytest.raises(HeadError, match="fc_norm"):
+        write(head, config, "sglang", tmp_path / "sg")
+    out = write(head, config, "trtllm", tmp_path / "trt")  # TensorRT-LLM reads fc_norm
+    assert "fc_norm.0.weight" in load_file(out / "model.safetensors")
+    assert_same(head, read_head(out)[0])
+    head, config = random_head(tiny_model_dir)
+    with pytest.raises(HeadError, match="SafeAILab EAGLE always taps"):
+        write_head(head, _facts([1, 3, 6]), "eagle", tmp_path / "e", config, verifier="t")
+
+
+def test_output_guard_and_rewrite(tmp_path, tiny_model_dir, capsys):
+    head, config = random_head(tiny_model_dir)
+    src = write(head, config, "vllm", tmp_path / "src")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    args = ["convert", f"--head={src}", "--to=sglang", f"--model={tiny_model_dir}"]
+    assert cli_main([*args, f"--output={foreign}"]) == 2
+    assert "not this command's output" in capsys.readouterr().err
+    out = tmp_path / "sg"
+    assert cli_main([*args, f"--output={out}"]) == 0
+    assert "sglang.launch_server" in capsys.readouterr().out
+    assert cli_main([*args, f"--output={out}"]) == 0  # its own output is replaced
