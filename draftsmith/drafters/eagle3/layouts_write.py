@@ -12,10 +12,15 @@ differently from ours (a flag it lacks is silently a different model, never an e
   ``midlayer.*``, ``fc``, ``norm``, ``lm_head`` (else the target's), ``d2t`` when reduced,
   ``input_norm`` / ``fc_norm.{i}``; ``eagle_config.norm_before_fc``, top-level ``fc_norm``
   and ``norm_output``, ``draft_vocab_size``, ``target_hidden_size``.
-- ``eagle``: SafeAILab EAGLE-3 (not verified against ``eagle/model/cnets.py`` here: the
-  layout table of the issue): ``LlamaForCausalLM``, ``midlayer.*``, ``d2t`` and ``t2d``.
-- ``speculators``: ``speculators/models/eagle3/config.py`` (``Eagle3SpeculatorConfig``):
-  ``Eagle3Speculator``, ``transformer_layer_config``, ``speculators_config``, ``layers.0.*``.
+- ``eagle``: SafeAILab EAGLE-3, ``eagle/model/ea_model.py`` (``pytorch_model.bin``, else
+  ``model.safetensors``, loaded ``strict=False``; ``d2t`` / ``t2d`` deleted for a full
+  vocabulary) and ``eagle/model/cnets.py`` (``fc`` reads ``target_hidden_size * 3``, one
+  ``midlayer``, embeddings from the target): ``LlamaForCausalLM``, ``midlayer.*``, ``d2t``
+  and ``t2d`` when the draft vocabulary is reduced.
+- ``speculators``: ``src/speculators/models/eagle3/config.py`` (``Eagle3SpeculatorConfig``:
+  ``Eagle3Speculator``, ``transformer_layer_config``, ``draft_vocab_size``,
+  ``norm_before_residual``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids``)
+  and its converter's ``midlayer.`` -> ``layers.0.``; ``speculators_config`` as our export.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ def _rename(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, t
 
 
 def _with_t2d(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``d2t`` (int64, also for a full vocabulary) and ``t2d`` (bool [vocab])."""
+    """``d2t`` (int64) and ``t2d`` (bool [vocab]: which target ids the draft has)."""
     draft = torch.arange(head.draft_vocab_size)
     d2t = head.draft_to_target(draft) - draft
     t2d = torch.zeros(head.vocab_size, dtype=torch.bool)
@@ -136,7 +141,7 @@ def consumer_files(
         config["fc_norm"], config["norm_output"] = bool(kw["fc_norm"]), bool(kw["norm_output"])
         return config, tensors
     if consumer == "eagle":
-        return config, _with_t2d(head, tensors)
+        return config, _with_t2d(head, tensors) if reduced else tensors
     # speculators
     config["architectures"] = ["Eagle3Speculator"]
     for key in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm"):
