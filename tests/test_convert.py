@@ -227,3 +227,26 @@ def test_output_guard_and_rewrite(tmp_path, tiny_model_dir, capsys):
     assert cli_main([*args, f"--output={out}"]) == 0
     assert "sglang.launch_server" in capsys.readouterr().out
     assert cli_main([*args, f"--output={out}"]) == 0  # its own output is replaced
+
+
+def test_vllm_ascend_limits(tmp_path, tiny_model_dir, capsys):
+    head, config = random_head(tiny_model_dir)
+    src = write(head, config, "vllm", tmp_path / "src")
+    args = ["convert", f"--head={src}", "--to=vllm-ascend", f"--model={tiny_model_dir}"]
+    assert cli_main([*args, f"--output={tmp_path / 'a'}", "--num_speculative_tokens=16"]) == 2
+    assert "num_speculative_tokens 16 + 1 > 16" in capsys.readouterr().err
+    bad_tp = ["--tensor_parallel_size=4", "--draft_tensor_parallel_size=2"]
+    assert cli_main([*args, f"--output={tmp_path / 'b'}", *bad_tp]) == 2
+    assert "TP 1 or the target's (4)" in capsys.readouterr().err
+    out = tmp_path / "c"
+    ok = [
+        "--num_speculative_tokens=15",
+        "--tensor_parallel_size=4",
+        "--draft_tensor_parallel_size=1",
+    ]
+    assert cli_main([*args, f"--output={out}", *ok]) == 0
+    printed = capsys.readouterr().out
+    assert '"draft_tensor_parallel_size": 1' in printed and "--tensor-parallel-size 4" in printed
+    assert json.loads((out / "config.json").read_text())["architectures"] == [
+        "Eagle3LlamaForCausalLM"
+    ]

@@ -38,9 +38,9 @@ class ConvertConfig:
     head: str
     """The head directory (config.json and *.safetensors or pytorch_model.bin), in the
     SafeAILab EAGLE, speculators, ModelOpt, SGLang / SpecForge or draftsmith layout."""
-    to: Literal["vllm", "sglang", "trtllm", "eagle", "speculators"]
-    """The consumer: vllm (also vLLM Ascend), sglang, trtllm (also Dynamo), eagle (SafeAILab
-    EAGLE), speculators (``vllm serve DIR`` alone)."""
+    to: Literal["vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators"]
+    """The consumer: vllm, vllm-ascend (vllm's files, Ascend's limits checked), sglang,
+    trtllm (also Dynamo), eagle (SafeAILab EAGLE), speculators (``vllm serve DIR`` alone)."""
     output: str
     """Directory to write: config.json, model.safetensors, README.md. A directory convert
     wrote is replaced; anything else is refused."""
@@ -50,6 +50,10 @@ class ConvertConfig:
     Needed when the head names no taps, or ships no lm_head."""
     num_speculative_tokens: int = 3
     """k in the printed serving command (and ``vllm serve DIR``'s default for speculators)."""
+    tensor_parallel_size: int = 1
+    """The target's tensor parallelism (vllm, vllm-ascend: checked with the draft's)."""
+    draft_tensor_parallel_size: int | None = None
+    """The draft's tensor parallelism: 1 or tensor_parallel_size (None: the target's)."""
     dtype: Literal["bfloat16", "float16", "float32", "source"] = "source"
     """Weight dtype on disk; source keeps the head's own."""
     overwrite: bool = False
@@ -65,9 +69,20 @@ def converted_dir(path: Path) -> bool:
         return False
 
 
+def check_parallelism(cfg: ConvertConfig) -> None:
+    """vLLM (and vLLM Ascend) run the draft with TP 1 or the target's TP."""
+    tp, draft = cfg.tensor_parallel_size, cfg.draft_tensor_parallel_size
+    if tp < 1 or (draft is not None and draft not in (1, tp)):
+        raise HeadError(
+            f"draft_tensor_parallel_size: {draft} with tensor_parallel_size {tp}; "
+            f"{cfg.to} runs the draft with TP 1 or the target's ({tp})"
+        )
+
+
 def convert(cfg: ConvertConfig) -> tuple[Path, HeadFacts, str]:
     """Read, check and write the head: (the written directory, the head's facts, the
     target the serving command names)."""
+    check_parallelism(cfg)
     target = read_target(cfg.model) if cfg.model else None
     head, facts = read_head(Path(cfg.head), target.config if target else None)
     if target is not None:
@@ -111,7 +126,8 @@ def run_stage(cfg: ConvertConfig) -> int:
     out, facts, verifier = convert(cfg)
     taps = f"{facts.layer_ids}" + (" (defaulted)" if facts.layer_ids_defaulted else "")
     say(f"converted: {facts.layout} head -> {cfg.to} at {out} (taps {taps})")
-    print(serve_command(cfg.to, out, verifier, facts, cfg.num_speculative_tokens))
+    tp = (cfg.tensor_parallel_size, cfg.draft_tensor_parallel_size)
+    print(serve_command(cfg.to, out, verifier, facts, cfg.num_speculative_tokens, tp))
     return 0
 
 

@@ -5,6 +5,9 @@ loads and nothing it would skip; ``limits`` refuses a head the consumer would bu
 differently from ours (a flag it lacks is silently a different model, never an error there).
 
 - ``vllm``: our export (``export.py``), vLLM's ``model_executor/models/llama_eagle3.py``.
+  ``vllm-ascend`` writes the same and checks vLLM Ascend's limits as the issue states them
+  (num_speculative_tokens + 1 <= 16; draft TP 1 or the target's): not verified against
+  vllm-ascend's source.
 - ``sglang``: ``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``):
   params ``midlayer.*``, ``fc``, ``norm``, ``lm_head``; ``d2t`` becomes ``hot_token_id``,
   ``t2d`` is skipped; any other name is silently skipped, so ``layers.0.*`` is never written.
@@ -44,7 +47,8 @@ from draftsmith.drafters.headfiles import (
     write_json,
 )
 
-CONSUMERS = ("vllm", "sglang", "trtllm", "eagle", "speculators")
+CONSUMERS = ("vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators")
+ASCEND_MAX_TOKENS = 16  # num_speculative_tokens + 1 (the issue's limit; not verified here)
 CARD_MARK = "Converted by `draftsmith convert`"
 
 
@@ -58,7 +62,12 @@ def limits(
         raise HeadError(f"to: {consumer!r} is not a consumer; use one of {list(CONSUMERS)}")
     if k < 1:
         raise HeadError(f"num_speculative_tokens: {k}; give at least 1")
-    if consumer == "vllm":
+    if consumer == "vllm-ascend" and k + 1 > ASCEND_MAX_TOKENS:
+        raise HeadError(
+            f"to vllm-ascend: num_speculative_tokens {k} + 1 > {ASCEND_MAX_TOKENS}, the most "
+            f"vLLM Ascend verifies per step; give at most {ASCEND_MAX_TOKENS - 1}"
+        )
+    if consumer in ("vllm", "vllm-ascend"):
         return
     flags = {
         "parallel_drafting (P-EAGLE)": kw["parallel_drafting"],
@@ -122,7 +131,7 @@ def consumer_files(
     ids = facts.layer_ids
     reduced = head.draft_vocab_size != head.vocab_size
     tensors = eagle3_tensors(head, dtype)  # ours: vLLM's names, d2t only when reduced
-    if consumer == "vllm":
+    if consumer in ("vllm", "vllm-ascend"):
         return eagle3_config(head, target_config, ids, k, verifier, dtype), tensors
     kw = head.init_kwargs
     config, layer = llama_head_fields(head, "LlamaForCausalLM", target_config, dtype)
@@ -153,11 +162,24 @@ def consumer_files(
     return config, _with_t2d(head, tensors) if reduced else tensors
 
 
-def serve_command(consumer: str, out_dir: Path, target: str, facts: HeadFacts, k: int) -> str:
-    """The command that serves the written head with ``target``."""
-    if consumer == "vllm":
-        spec = {"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": k}
-        return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+def serve_command(
+    consumer: str,
+    out_dir: Path,
+    target: str,
+    facts: HeadFacts,
+    k: int,
+    tp: tuple[int, int | None] = (1, None),
+) -> str:
+    """The command that serves the written head with ``target`` (``tp``: the target's and
+    the draft's tensor parallelism, for vLLM)."""
+    if consumer in ("vllm", "vllm-ascend"):
+        spec: dict[str, Any] = {"method": "eagle3", "model": str(out_dir)}
+        extra = ""
+        if tp[0] > 1:
+            spec["draft_tensor_parallel_size"] = tp[1] or tp[0]
+            extra = f" --tensor-parallel-size {tp[0]}"
+        spec["num_speculative_tokens"] = k
+        return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'"
     if consumer == "speculators":
         return f"vllm serve {out_dir}"
     if consumer == "sglang":
