@@ -250,3 +250,24 @@ def test_vllm_ascend_limits(tmp_path, tiny_model_dir, capsys):
     assert json.loads((out / "config.json").read_text())["architectures"] == [
         "Eagle3LlamaForCausalLM"
     ]
+
+
+def test_shipped_embeddings_checked_against_target(tmp_path, tiny_model_dir, capsys):
+    """SpecForge heads may ship embed_tokens: dropped when they are the target's, else refused."""
+    from draftsmith.core.targets import read_target
+    from draftsmith.drafters.target_weights import load_target_weights
+
+    head, config = random_head(tiny_model_dir)
+    embed = load_target_weights(read_target(str(tiny_model_dir))).embed
+    src = write(head, config, "sglang", tmp_path / "sg")
+    tensors = load_file(src / "model.safetensors")
+    save_file({**tensors, "embed_tokens.weight": embed.half()}, src / "model.safetensors")
+    args = ["convert", f"--head={src}", "--to=vllm", f"--model={tiny_model_dir}"]
+    assert cli_main([*args, f"--output={tmp_path / 'a'}", "--dtype=float32"]) == 0
+    assert "equal to the target's" in (tmp_path / "a" / "README.md").read_text()
+    assert "embed_tokens.weight" not in load_file(tmp_path / "a" / "model.safetensors")
+    assert_same(head, read_head(tmp_path / "a")[0])
+    save_file({**tensors, "embed_tokens.weight": embed + 1}, src / "model.safetensors")
+    capsys.readouterr()
+    assert cli_main([*args, f"--output={tmp_path / 'b'}"]) == 2
+    assert "embed_tokens that differ" in capsys.readouterr().err

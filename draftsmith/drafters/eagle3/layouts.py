@@ -39,7 +39,8 @@ from draftsmith.drafters.llama import target_sizes
 from draftsmith.drafters.target_weights import load_target_weights
 
 LAYOUTS = ("draftsmith", "eagle", "speculators", "modelopt", "sglang")
-DROPPED = ("t2d", "embed_tokens.weight")
+DROPPED = ("t2d",)
+EMBED = "embed_tokens.weight"
 
 
 @dataclass
@@ -57,6 +58,9 @@ class HeadFacts:
     lm_head_from_target: bool = False
     """The source shipped no ``lm_head``: its rows were taken from the target's."""
     dtype: torch.dtype = torch.bfloat16
+    embed_tokens: Tensor | None = None
+    """Embeddings the source shipped (dropped: every consumer here shares the target's;
+    ``fit_to_target`` refuses them when they differ from the target's)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -169,6 +173,9 @@ def read_head(
         ),
         dtype=next(t.dtype for t in tensors.values() if t.is_floating_point()),
     )
+    facts.embed_tokens = tensors.pop(EMBED, None)
+    if facts.embed_tokens is not None and target_config is None:
+        facts.notes.append("embed_tokens dropped unchecked (no target given)")
     mask = tensors.get("mask_hidden")
     kwargs = dict(
         sizes,
@@ -250,8 +257,19 @@ def fit_to_target(head: Eagle3Head, facts: HeadFacts, target: TargetInfo) -> Non
         raise HeadError(
             f"head: fc reads {k['num_aux_states']} target states but {how} {ids} are {len(ids)}"
         )
+    weights = None
+    if facts.embed_tokens is not None:
+        weights = load_target_weights(target)
+        mine, theirs = facts.embed_tokens.float(), weights.embed.float()
+        # equal up to dtype rounding (a bf16 target's table saved in fp16 stays equal)
+        if mine.shape != theirs.shape or not torch.allclose(mine, theirs, 1e-2, 1e-4):
+            raise HeadError(
+                "head: ships embed_tokens that differ from the target's; the consumers "
+                "convert writes for share the target's, so it would serve another model"
+            )
+        facts.notes.append("embed_tokens dropped: equal to the target's, which is shared")
     if facts.lm_head_from_target:
-        rows = load_target_weights(target).lm_head
+        rows = (weights or load_target_weights(target)).lm_head
         ids_t = head.draft_to_target(torch.arange(head.draft_vocab_size))
         with torch.no_grad():
             head.lm_head.weight.copy_(rows[ids_t].float())
