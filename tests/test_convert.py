@@ -271,3 +271,23 @@ def test_shipped_embeddings_checked_against_target(tmp_path, tiny_model_dir, cap
     capsys.readouterr()
     assert cli_main([*args, f"--output={tmp_path / 'b'}"]) == 2
     assert "embed_tokens that differ" in capsys.readouterr().err
+
+
+def test_peagle_head_round_trips_to_vllm_only(tmp_path, tiny_model_dir):
+    head, config = random_head(tiny_model_dir, parallel_drafting=True, mask_token_id=7)
+    out = write(head, config, "vllm", tmp_path / "v")
+    written = json.loads((out / "config.json").read_text())
+    assert written["speculators_model_type"] == "peagle" and written["mask_token_id"] == 7
+    back, facts = read_head(out)
+    assert facts.layout == "draftsmith" and back.mask_token_id == 7
+    assert_same(head, back)
+    with pytest.raises(HeadError, match="parallel_drafting"):
+        write(head, config, "sglang", tmp_path / "s")
+
+
+def test_eagle1_and_unknown_layouts_refused(tmp_path):
+    names = {"layers.0.self_attn.q_proj.weight", "fc.weight"}
+    with pytest.raises(HeadError, match="EAGLE-1"):
+        detect_layout({"architectures": ["LlamaForCausalLM"]}, names)
+    with pytest.raises(HeadError, match="no EAGLE-3 layout"):
+        detect_layout({"architectures": ["MedusaModel"]}, names)
