@@ -200,12 +200,11 @@ def serve_command(
         yaml = json.dumps({"speculative_config": spec})
         return (
             f"echo '{yaml}' > spec.yaml && trtllm-serve {target} "
-            "--extra_llm_api_options spec.yaml  (Dynamo: the same speculative_config)"
+            "--extra_llm_api_options spec.yaml  # Dynamo takes the same speculative_config"
         )
-    return (
-        f"python -m eagle.application.webui --ea-model-path {out_dir} "
-        f"--base-model-path {target} --model-type llama3 --total-token {k + 1}"
-    )
+    # SafeAILab's eagle/application/webui.py (--model-type defaults to llama-3-instruct;
+    # its drafts form a tree sized by --total-token, not a chain of k)
+    return f"python -m eagle.application.webui --ea-model-path {out_dir} --base-model-path {target}"
 
 
 def write_head(
