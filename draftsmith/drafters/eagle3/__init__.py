@@ -4,6 +4,8 @@
 - ``options.py``: its ``model.*`` options.
 - ``parallel.py``: P-EAGLE's objective (``model.parallel_drafting``): all k drafts in one pass.
 - ``export.py``: the directory vLLM serves (``vllm serve DIR``), and the checks of one.
+- ``layouts.py`` / ``layouts_write.py``: heads published in other layouts read, and written
+  for other consumers (``draftsmith convert``).
 
 The serial objective is training-time test, shared with EAGLE-1 (``ttt_objective.py``); the
 head reads the fused tapped states and drafts over a reduced vocabulary (``d2t``) whose
