@@ -119,8 +119,12 @@ def test_consumer_config_keys(tmp_path, tiny_model_dir):
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny"
     assert spec["transformer_layer_config"]["hidden_size"] == config["hidden_size"]
     assert spec["norm_before_residual"] is False
-    for c in cfgs.values():
-        assert c["tie_word_embeddings"] is False
+    # vLLM tells the speculators format by a top level without model_type: the layer's
+    # fields live in transformer_layer_config only.
+    assert "model_type" not in spec and "hidden_size" not in spec
+    for name, c in cfgs.items():
+        layer = c["transformer_layer_config"] if name == "speculators" else c
+        assert layer["tie_word_embeddings"] is False, name
 
 
 def test_sglang_output_never_has_layers_0(tmp_path, tiny_model_dir):

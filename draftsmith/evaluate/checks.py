@@ -81,7 +81,7 @@ def check_head(head: str, method: str, target: TargetInfo) -> dict:
     if not weights:
         raise HeadError(f"head: {head} has no .safetensors weights.")
     arch = (config.get("architectures") or ["?"])[0]
-    if arch not in kind.methods[method]:
+    if arch not in kind.methods[method] and kind.method_of(config) is None:
         other = drafters.head_method(config)
         hint = f"run it with --method {other}" if other else "export it for vLLM"
         raise HeadError(f"head: {head} is a {arch}, not {article(method)} {method} head; {hint}.")

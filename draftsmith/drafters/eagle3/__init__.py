@@ -153,6 +153,9 @@ class Eagle3(Drafter):
     def method_of(cls, config: dict[str, Any]) -> str | None:
         if config.get("speculators_model_type") == "peagle":
             return "peagle"
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch == "LlamaForCausalLM" and "draft_vocab_size" in config:
+            return "eagle3"  # the SafeAILab EAGLE layout (EAGLE-1 heads name no draft vocab)
         return super().method_of(config) and "eagle3"
 
     @classmethod

@@ -151,7 +151,9 @@ def consumer_files(
         return config, tensors
     if consumer == "eagle":
         return config, _with_t2d(head, tensors) if reduced else tensors
-    # speculators
+    # speculators: the decoder layer's fields live in transformer_layer_config only; vLLM
+    # tells this format by a top level without model_type (transformers_utils/config.py).
+    config = {k: v for k, v in config.items() if k not in layer or k == "vocab_size"}
     config["architectures"] = ["Eagle3Speculator"]
     for key in ("norm_before_residual", "norm_output", "norm_before_fc", "fc_norm"):
         config[key] = bool(kw[key])
