@@ -146,6 +146,24 @@ def test_module_options_are_checked_and_wired(target) -> None:
     )
 
 
+def test_eagle3_1_norm_output_reaches_the_head_and_its_config(target) -> None:
+    from draftsmith.drafters import head_config
+    from draftsmith.train.module import DraftModule
+
+    with pytest.raises(
+        ConfigError, match="model.norm_output: .* set it false for model.kind eagle"
+    ):
+        DraftModule(kind="eagle", norm_output=True)
+    for on in (False, True):
+        module = DraftModule(norm_output=on)
+        module.build(read_target(str(target)), [2, 4, 7], 8)
+        assert module.head.norm_output is on
+        config = head_config(
+            module.head, "eagle3", read_target(str(target)).config, [2, 4, 7], 3, "t"
+        )
+        assert config["norm_output"] is on
+
+
 def test_new_options_fit_checkpoint_and_export(tmp_path, tiny_dataset) -> None:
     from draftsmith.cli import main as cli_main
     from draftsmith.train.checkpoints import read_checkpoint

@@ -83,6 +83,7 @@ class Eagle3(Drafter):
             num_aux_states=len(aux),
             norm_before_fc=opt.norm_before_fc,
             fc_norm=opt.fc_norm,
+            norm_output=opt.norm_output,
         )
         if opt.parallel_drafting:
             options.update(parallel_drafting=True, mask_token_id=mask_id)

@@ -22,6 +22,10 @@ class Eagle3Options(TTTOptions, BlockOptions):
     fc_norm: bool = exclusive(False)
     """EAGLE-3: one RMSNorm per tapped state before ``fc`` (vLLM's ``fc_norm``, weights
     ``fc_norm.{i}.weight``); after ``norm_before_fc`` when both are on."""
+    norm_output: bool = exclusive(False)
+    """EAGLE-3.1 (speculators' default): each draft step feeds the next its final-normed state
+    instead of the pre-norm sum (vLLM's ``norm_output``, read by vLLM 0.32). Not yet measured
+    against 3.0 on SmolLM2; 3.0 stays the default."""
     parallel_drafting: bool = exclusive(False)
     """EAGLE-3: train a P-EAGLE head that drafts all ``ttt_steps`` tokens in one pass (vLLM's
     ``parallel_drafting``; ``eagle3/parallel.py``), with ``num_anchors`` mask blocks per row and
