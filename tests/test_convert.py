@@ -295,3 +295,38 @@ def test_eagle1_and_unknown_layouts_refused(tmp_path):
         detect_layout({"architectures": ["LlamaForCausalLM"]}, names)
     with pytest.raises(HeadError, match="no EAGLE-3 layout"):
         detect_layout({"architectures": ["MedusaModel"]}, names)
+
+
+def test_init_from_fine_tunes_a_published_head(tmp_path, tiny_model_dir, tiny_dataset, capsys):
+    """``model.init_from``: a head in the SafeAILab EAGLE layout (no taps in its config: the
+    target's default ones) is the starting point: its vocabulary and weights are kept (a
+    vanishing learning rate leaves them as published), the checkpoint and the model card say
+    where it came from, and a head that does not fit is refused in one line."""
+    from draftsmith.cli import main as cli_main
+    from draftsmith.train.checkpoints import read_checkpoint
+    from draftsmith.train.main import main as train_main
+
+    head, config = random_head(tiny_model_dir)
+    published = write(head, config, "eagle", tmp_path / "published")
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml"
+    out = tmp_path / "run"
+    args = ["fit", f"--config={tiny}", f"--data.data={tiny_dataset}", "--trainer.max_epochs=1"]
+    args += ["--model.draft_vocab_size=null"]  # tiny.yaml asks 2048: the head has its own
+    args += [f"--trainer.default_root_dir={out}", f"--checkpoint.dirpath={out / 'ckpt'}"]
+    assert train_main([*args, f"--model.init_from={published}", "--model.lr=1e-30"]) == 0
+    ckpt = read_checkpoint(out / "ckpt" / "last.ckpt")
+    assert ckpt["draftsmith"]["init_from"]["layout"] == "eagle"
+    trained = {k[5:]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
+    for name, value in head.state_dict().items():
+        if name in trained:  # embed_tokens and t2d are not saved
+            torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-6, msg=name)
+    exported = tmp_path / "head"
+    ckpt_arg = f"--checkpoint={out / 'ckpt' / 'last.ckpt'}"
+    assert cli_main(["export", ckpt_arg, f"--output={exported}"]) == 0
+    assert "Started from" in (exported / "README.md").read_text()
+
+    other = write(head, config, "vllm", tmp_path / "other", layer_ids=(1, 3, 5))
+    capsys.readouterr()
+    assert train_main([*args, f"--model.init_from={other}", "--trainer.fast_dev_run=true"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "taps layers [1, 3, 5], the dataset feeds [2, 4, 5]" in errors[0]

@@ -61,6 +61,8 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
         "Metrics (validation, simulated in training)": info.get("metrics", {}),
         "Checkpoint": {"path": str(Path(cfg.checkpoint).absolute())},
     }
+    if "init_from" in info:  # the published head it was fine-tuned from
+        card["Started from"] = info["init_from"]
     if "draft_vocab_coverage" in info:
         card["Training data"] = {
             **card["Training data"],

@@ -33,6 +33,7 @@ from draftsmith.drafters.eagle3.export import (
 from draftsmith.drafters.eagle3.head import Eagle3Head, eagle3_from_target
 from draftsmith.drafters.eagle3.options import Eagle3Options
 from draftsmith.drafters.eagle3.parallel import parallel_drafting_loss
+from draftsmith.drafters.headfiles import HeadError
 from draftsmith.drafters.loss import TTTLoss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
 from draftsmith.drafters.target_init import init_from_target
@@ -56,6 +57,8 @@ class Eagle3(Drafter):
 
     def build(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
         opt = self.options
+        if opt.init_from is not None:
+            return self.published(target, data, weights)
         mask_id = None
         if opt.parallel_drafting:
             mask_id, spare = choose_mask_token(target, data, opt.mask_token_id)
@@ -94,15 +97,56 @@ class Eagle3(Drafter):
             info["init_from_target_layers"] = init_from_target(head, target, weights.norm)
         return Built(head, {}, info)
 
+    def published(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
+        """``init_from``: the published head, checked against the target and the data."""
+        from draftsmith.drafters.eagle3.layouts import fit_to_target, read_head
+
+        opt, where = self.options, f"model.init_from: {self.options.init_from}"
+        try:
+            head, facts = read_head(opt.init_from, target.config)
+            fit_to_target(head, facts, target)
+        except HeadError as err:
+            raise ConfigError(f"{where}: {str(err).removeprefix('head: ')}") from err
+        if facts.layer_ids != data.aux_layer_ids:
+            raise ConfigError(
+                f"{where} taps layers {facts.layer_ids}, the dataset feeds {data.aux_layer_ids}; "
+                f"set data.aux_layers {facts.layer_ids} (extract them if the dataset lacks them)"
+            )
+        kept = head.init_kwargs
+        asked = {"num_layers": opt.num_layers, "draft_vocab_size": opt.draft_vocab_size}
+        asked |= {n: getattr(opt, n) for n in ("norm_before_fc", "fc_norm", "norm_output")}
+        defaults = Eagle3Options()
+        for name, value in asked.items():
+            if value != getattr(defaults, name) and value != kept[name]:
+                raise ConfigError(
+                    f"model.{name}: {value}, but {where} has {kept[name]}; leave it at its "
+                    "default to keep the published head's"
+                )
+        if opt.parallel_drafting or opt.init_from_target:
+            raise ConfigError(
+                f"{where}: starts a serial EAGLE-3 head from its own weights; set "
+                "model.parallel_drafting and model.init_from_target false"
+            )
+        head.set_embeddings(weights.embed)
+        say(f"train: starting from the {facts.layout} head {opt.init_from} (taps "
+            f"{facts.layer_ids}, {head.draft_vocab_size:,} draft ids)")  # fmt: skip
+        started = {"path": str(Path(opt.init_from).absolute()), "layout": facts.layout}
+        info = {"head_kwargs": head.init_kwargs, "layer_ids": list(data.aux_layer_ids)}
+        return Built(head, {}, {**info, "init_from": started})
+
     def fit_to_data(self, trainee: Trainee, target: TargetInfo, data: TrainingData) -> dict:
         """The draft vocabulary: the most frequent loss-masked ids (EOS kept); the draft
         lm_head starts from their target rows (frozen unless ``train_lm_head``)."""
         head = trainee.head
         counts = data.train_token_counts(target.vocab_size)
-        ids = draft_vocab(counts, head.draft_vocab_size, eos_ids(target.config))
-        head.set_draft_vocab(ids)
-        with torch.no_grad():
-            head.lm_head.weight.copy_(trainee.target_lm_head[ids.to(trainee.device)])
+        if self.options.init_from is None:
+            ids = draft_vocab(counts, head.draft_vocab_size, eos_ids(target.config))
+            head.set_draft_vocab(ids)
+            with torch.no_grad():
+                head.lm_head.weight.copy_(trainee.target_lm_head[ids.to(trainee.device)])
+        else:  # a published head keeps its vocabulary and its trained lm_head
+            ids = head.draft_to_target(torch.arange(head.draft_vocab_size, device=head.d2t.device))
+            ids = ids.cpu()
         head.lm_head.weight.requires_grad_(self.options.train_lm_head)
         covered = counts[ids].sum().item() / max(counts.sum().item(), 1)
         say(f"train: draft vocabulary of {ids.numel():,} ids covers {covered:.2%} of the "

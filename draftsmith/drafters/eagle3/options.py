@@ -26,6 +26,11 @@ class Eagle3Options(TTTOptions, BlockOptions):
     """EAGLE-3.1 (speculators' default): each draft step feeds the next its final-normed state
     instead of the pre-norm sum (vLLM's ``norm_output``, read by vLLM 0.32). Not yet measured
     against 3.0 on SmolLM2; 3.0 stays the default."""
+    init_from: str | None = exclusive(None)
+    """A published EAGLE-3 head to fine-tune, in any layout ``draftsmith convert`` reads
+    (SafeAILab EAGLE, speculators, ModelOpt, SGLang / SpecForge, ours). It is checked against
+    the target and the dataset's taps; its layers, draft vocabulary and norms are kept (an
+    option set to something else is refused). Null: start from random weights."""
     parallel_drafting: bool = exclusive(False)
     """EAGLE-3: train a P-EAGLE head that drafts all ``ttt_steps`` tokens in one pass (vLLM's
     ``parallel_drafting``; ``eagle3/parallel.py``), with ``num_anchors`` mask blocks per row and
