@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from draftsmith import drafters
+from draftsmith.core.files import write_json_atomic
 from draftsmith.drafters.acceptance import step_validity
-from draftsmith.drafters.headfiles import HeadError, write_head_dir, write_json
+from draftsmith.drafters.headfiles import HeadError, write_head_dir
 from draftsmith.drafters.loss import loss_record
 from draftsmith.drafters.options import HeadOptions
 from draftsmith.drafters.protocol import Built, Drafter
@@ -91,7 +92,7 @@ class Toy(Drafter):
             }
             save_file(tensors, tmp / "model.safetensors")
             config = {"architectures": ["ToyDraft"], **head.init_kwargs, "layer_ids": layer_ids}
-            write_json(tmp / "config.json", config)
+            write_json_atomic(tmp / "config.json", config)
 
         return write_head_dir(out_dir, write)
 

@@ -43,17 +43,25 @@ def get(name: str) -> type[Drafter]:
     return KINDS[name]
 
 
-def option_fields() -> dict[str, tuple[Any, Any, str, list[str]]]:
-    """Every registered option: name -> (type, default, doc, the kinds that have it)."""
-    out: dict[str, tuple[Any, Any, str, list[str]]] = {}
+def option_fields() -> dict[str, tuple[Any, Any, list[str]]]:
+    """Every registered option: name -> (type, default, the kinds that have it)."""
+    out: dict[str, tuple[Any, Any, list[str]]] = {}
     for kind in KINDS.values():
-        docs, values = field_docs(kind.Options), defaults(kind.Options)
+        values = defaults(kind.Options)
         for f in fields(kind.Options):
             if f.name in out:
-                out[f.name][3].append(kind.name)
+                out[f.name][2].append(kind.name)
             else:
-                out[f.name] = (f.type, values[f.name], docs.get(f.name, ""), [kind.name])
+                out[f.name] = (f.type, values[f.name], [kind.name])
     return out
+
+
+def option_docs() -> dict[str, str]:
+    """Each registered option's docstring (read from the kinds' sources: for ``--help``)."""
+    docs: dict[str, str] = {}
+    for kind in KINDS.values():
+        docs = {**field_docs(kind.Options), **docs}
+    return docs
 
 
 def make(name: str, options: dict[str, Any]) -> Drafter:
@@ -63,16 +71,16 @@ def make(name: str, options: dict[str, Any]) -> Drafter:
     one refused."""
     kind = get(name)
     own = {f.name for f in fields(kind.Options)}
-    every = option_fields()
+    every, exclusive = option_fields(), exclusive_options()
     for option, value in options.items():
         if option in own:
             continue
         if option not in every:
             raise ConfigError(f"model.{option}: not an option of any drafter kind; drop it")
-        _, default, _, owners = every[option]
+        _, default, owners = every[option]
         if value == default:
             continue
-        if option in exclusive_options():
+        if option in exclusive:
             shown = "null" if default is None else str(default).lower()
             raise ConfigError(
                 f"model.{option}: an option of model.kind {' / '.join(owners)}, not of {name}; "
@@ -152,7 +160,7 @@ def register(kind: type[Drafter]) -> type[Drafter]:
         if f.name in theirs and theirs[f.name][:2] != (f.type, mine[f.name]):
             raise TypeError(
                 f"{kind.__name__}.Options.{f.name}: {f.type} = {mine[f.name]!r} clashes with "
-                f"{theirs[f.name][3]}'s {theirs[f.name][0]} = {theirs[f.name][1]!r}"
+                f"{theirs[f.name][2]}'s {theirs[f.name][0]} = {theirs[f.name][1]!r}"
             )
     KINDS[kind.name] = kind
     return kind

@@ -53,10 +53,6 @@ def write_head_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:
     return out_dir
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n")
-
-
 def state_tensors(
     head: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = ()
 ) -> dict[str, torch.Tensor]:

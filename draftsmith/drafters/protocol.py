@@ -25,7 +25,7 @@ takes for it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -175,8 +175,3 @@ class Drafter:
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:
         """One line: how to serve the exported head."""
         return f"vllm serve {head_dir}, or speculative_config model={head_dir}"
-
-
-def options_dict(options: Any) -> dict[str, Any]:
-    """A kind's options as a plain dict (for hparams, cards and logs)."""
-    return asdict(options)

@@ -271,11 +271,12 @@ def cli_signature() -> Iterator[None]:
         for p in params
     ]
     doc = [DraftModule.__doc__.split("        options:")[0].rstrip()]
-    for name, (_, default, text, owners) in drafters.option_fields().items():
+    docs = drafters.option_docs()
+    for name, (_, default, owners) in drafters.option_fields().items():
         hint = typing.get_type_hints(drafters.get(owners[0]).Options)[name]
         keyword = inspect.Parameter.KEYWORD_ONLY
         params.append(inspect.Parameter(name, keyword, default=default, annotation=hint))
-        doc.append(f"        {name}: ({', '.join(owners)}) {text}")
+        doc.append(f"        {name}: ({', '.join(owners)}) {docs.get(name, '')}")
     init = DraftModule.__init__
     saved = DraftModule.__doc__, init.__annotations__
     init.__signature__ = inspect.Signature(params)

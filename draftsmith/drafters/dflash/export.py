@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.core.errors import ConfigError
+from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.drafters.dflash.model import DFlashDrafter
 from draftsmith.drafters.headfiles import (
@@ -33,7 +34,6 @@ from draftsmith.drafters.headfiles import (
     section,
     state_tensors,
     write_head_dir,
-    write_json,
 )
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -116,7 +116,7 @@ def export_dflash(
     def write(tmp: Path) -> None:
         save_file(dflash_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
         write_mask_embedding(head, tmp, dtype)
-        write_json(tmp / "config.json", config)
+        write_json_atomic(tmp / "config.json", config)
         final = Path(out_dir).absolute()
         (tmp / "README.md").write_text(model_card(config, target.path, final, k, card or {}))
 

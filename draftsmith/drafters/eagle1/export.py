@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.core.errors import ConfigError
+from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.eagle1.head import Eagle1Head
 from draftsmith.drafters.headfiles import (
@@ -23,7 +24,6 @@ from draftsmith.drafters.headfiles import (
     speculators_fields,
     state_tensors,
     write_head_dir,
-    write_json,
 )
 
 ARCHITECTURE = "EagleLlamaForCausalLM"
@@ -68,7 +68,7 @@ def export_eagle1(
 
     def write(tmp: Path) -> None:
         save_file(eagle1_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
-        write_json(tmp / "config.json", config)
+        write_json_atomic(tmp / "config.json", config)
         final = Path(out_dir).absolute()
         card_md = speculators_card(config, "EAGLE-1", {"method": "eagle"}, final, card or {})
         (tmp / "README.md").write_text(card_md)

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.core.errors import ConfigError
+from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo, text_config, validate_layer_ids
 from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.headfiles import (
@@ -39,7 +40,6 @@ from draftsmith.drafters.headfiles import (
     speculators_fields,
     state_tensors,
     write_head_dir,
-    write_json,
 )
 
 ARCHITECTURE = "Eagle3LlamaForCausalLM"
@@ -128,7 +128,7 @@ def export_eagle3(
 
     def write(tmp: Path) -> None:
         save_file(eagle3_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
-        write_json(tmp / "config.json", config)
+        write_json_atomic(tmp / "config.json", config)
         final = Path(out_dir).absolute()
         (tmp / "README.md").write_text(speculators_card(config, title, spec, final, card or {}))
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import text_config
 from draftsmith.drafters.eagle3.export import eagle3_config, eagle3_tensors
 from draftsmith.drafters.eagle3.head import Eagle3Head
@@ -44,7 +45,6 @@ from draftsmith.drafters.headfiles import (
     llama_head_fields,
     speculators_fields,
     write_head_dir,
-    write_json,
 )
 
 CONSUMERS = ("vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators")
@@ -244,7 +244,7 @@ def write_head(
 
     def write(tmp: Path) -> None:
         save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
-        write_json(tmp / "config.json", config)
+        write_json_atomic(tmp / "config.json", config)
         (tmp / "README.md").write_text(card + "\n")
 
     return write_head_dir(out_dir, write)
