@@ -24,8 +24,9 @@ from draftsmith.pipelines.stage_dirs import (
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "pipelines"
 
 
-def tiny_config(tmp_path: Path, model: Path, **changes) -> Path:
-    cfg = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+def tiny_config(tmp_path: Path, model: Path, source: str = "tiny", **changes) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = yaml.safe_load((CONFIGS / f"{source}.yaml").read_text())
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(12))
@@ -389,3 +390,74 @@ def test_dry_run_checks_the_target_and_bad_input_is_one_line(tmp_path, tiny_mode
         err = captured.err.strip()
         assert said in err and "\n" not in err, err
         assert "Traceback" not in captured.out + captured.err
+
+
+def kill_producer_mid_shard(dataset: Path, shard: int, log: Path) -> dict:
+    """Wait until the producer says it writes ``shard``, SIGKILL it (its engine too), check
+    the shard was not finished, then start another producer in its place."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    beat = dataset / "stream" / "producer-w0.json"
+    seen: dict = {}
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            seen = json.loads(beat.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            seen = {}
+        if seen.get("state") == f"writing shard {shard}":
+            os.killpg(os.getpgid(seen["pid"]), signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    killed = {
+        "state": seen.get("state"),
+        "finished": (dataset / f"shard-{shard:05d}.json").exists(),
+    }
+    command = [sys.executable, "-m", "draftsmith.cli", "extract", "--config",
+               str(dataset / "stage.yaml"), "--stream", "true"]  # fmt: skip
+    with log.open("ab") as out:
+        subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return killed
+
+
+@pytest.mark.vllm
+def test_streamed_pipeline_trains_the_offline_head_through_a_killed_producer(
+    tmp_path, tiny_model_dir
+):
+    """tiny-stream.yaml = tiny.yaml + a stream section: the same head, tensor for tensor,
+    though its producer is SIGKILLed mid-shard and another one finishes the work."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file
+
+    def run(name: str) -> tuple[dict, dict]:
+        config = tiny_config(tmp_path / name, tiny_model_dir, source=name)
+        assert pipeline_main([f"--config={config}", "--stop_after=export"]) == 0
+        state = json.loads((tmp_path / name / "run" / "pipeline.json").read_text())
+        return state, load_file(Path(state["stages"]["export"]["dir"]) / "model.safetensors")
+
+    _, offline = run("tiny")
+    config = tiny_config(tmp_path / "tiny-stream", tiny_model_dir, source="tiny-stream")
+    dataset = Plan(parse_pipeline([f"--config={config}"])).dirs["extract"]
+    killed: dict = {}
+    second_log = tmp_path / "second-producer.log"
+    watcher = threading.Thread(
+        target=lambda: killed.update(kill_producer_mid_shard(dataset, 1, second_log))
+    )
+    watcher.start()
+    state, streamed = run("tiny-stream")
+    watcher.join(timeout=60)
+    assert killed == {"state": "writing shard 1", "finished": False}
+    assert "producer exit -9" in state["stages"]["extract"]["status"]
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    assert manifest["num_samples"] == 12 and manifest["complete"]  # nothing lost, once each
+    ids = [sid for shard in manifest["shards"] for sid in shard["sample_ids"]]
+    assert len(ids) == len(set(ids)) == 12
+    assert offline.keys() == streamed.keys()
+    for key, value in offline.items():
+        torch.testing.assert_close(streamed[key], value, rtol=0, atol=0, msg=key)

@@ -70,18 +70,21 @@ class HiddenStatesDataset(Dataset):
         allow_incomplete: bool = False,
         verify_checksums: bool = False,
         check_shards: bool = True,
+        shard_infos: list[dict[str, Any]] | None = None,
     ) -> None:
         self.path = Path(path)
         self.dtype = dtype
         self.check_shards = check_shards
         self._verified: set[int] = set()  # shards whose sha256 this process tree checked
-        self.manifest = _load_manifest(self.path, allow_incomplete)
+        # ``shard_infos``: these shards only (their manifest entries or sidecars), e.g. one
+        # shard of a dataset still being written (training shard by shard, streaming).
+        self.manifest = _load_manifest(self.path, allow_incomplete or shard_infos is not None)
         self.storage_dtype: str = self.manifest["storage_dtype"]
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
         self.num_layers = len(self.layer_ids)
         self.hidden_size: int = int(self.manifest["hidden_size"])
         self._shards: list[_Shard] = []
-        for info in self.manifest["shards"]:
+        for info in self.manifest["shards"] if shard_infos is None else shard_infos:
             shard = self._open_shard(info, verify_checksums)
             if shard.sample_ids:
                 self._shards.append(shard)
@@ -170,6 +173,11 @@ class HiddenStatesDataset(Dataset):
 
     def __len__(self) -> int:
         return self._starts[-1]
+
+    @property
+    def shard_paths(self) -> list[Path]:
+        """The shard files this dataset reads, in order (shards without samples left out)."""
+        return [s.path for s in self._shards]
 
     def _map(self, k: int) -> mmap.mmap:
         """The memory map of shard k, opened on first use in this process."""

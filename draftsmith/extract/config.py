@@ -91,6 +91,12 @@ class ExtractConfig:
     """Largest allowed error relative to each layer's max |value|; null picks one per dtype."""
     staging_dir: str | None = None
     """Scratch directory for the connector's per-request files; null = /dev/shm when present."""
+    stream: bool = False
+    """Produce for a streamed trainer (``data.stream`` in train): write the shards it asks
+    for, in its order, never more than its disk bound ahead; exit when it finishes. Start it
+    beside the trainer, on this machine or any that sees ``output`` (docs/scaling.md)."""
+    trainer_timeout: float = 900.0
+    """Streaming: seconds without a word from the trainer before this producer exits."""
     engine: EngineOptions = field(default_factory=EngineOptions)
     """vLLM engine options."""
 

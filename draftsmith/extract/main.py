@@ -49,6 +49,19 @@ def check_config(cfg: ExtractConfig) -> None:
         raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
     if not 0.0 <= cfg.keep_replies <= 1.0:
         raise ConfigError(f"keep_replies: {cfg.keep_replies} is a share; give a number in [0, 1].")
+    if cfg.stream and (cfg.repair or cfg.time_limit or cfg.verify):
+        raise ConfigError(
+            "stream: a producer writes what its trainer asks for until the trainer ends; "
+            "drop repair, time_limit and verify from a streaming run."
+        )
+    if cfg.stream and cfg.regenerate and cfg.temperature > 0:
+        raise ConfigError(
+            f"stream: sampled replies (temperature {cfg.temperature}) are written by a "
+            "second engine before capture, which a producer does not run yet; stream with "
+            "temperature 0, or extract offline."
+        )
+    if cfg.trainer_timeout <= 0:
+        raise ConfigError(f"trainer_timeout: {cfg.trainer_timeout}; give seconds > 0.")
     if cfg.keep_replies and not cfg.regenerate:
         raise ConfigError(
             f"keep_replies: {cfg.keep_replies} mixes kept and regenerated replies; set "
@@ -70,10 +83,7 @@ def run(cfg: ExtractConfig) -> dict:
     """Extract (or resume) the dataset described by `cfg`; return its manifest."""
     from transformers import AutoTokenizer
 
-    from draftsmith.core.files import write_json_atomic
     from draftsmith.dataset import manifest
-    from draftsmith.dataset.shards import write_shard
-    from draftsmith.extract import capture
     from draftsmith.extract import sample_plan as plan
 
     run_started = time.monotonic()
@@ -108,7 +118,7 @@ def run(cfg: ExtractConfig) -> dict:
                if bad else ""))  # fmt: skip
         if bad:
             manifest.build_manifest(output, target, layer_ids, config)
-    elif existing.is_file() and json.loads(existing.read_text()).get("complete"):
+    elif not cfg.stream and existing.is_file() and json.loads(existing.read_text()).get("complete"):
         return manifest.build_manifest(output, target, layer_ids, config)
 
     tokenizer = AutoTokenizer.from_pretrained(target.path)
@@ -155,6 +165,12 @@ def run(cfg: ExtractConfig) -> dict:
         written = _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output)
     writer.close()
     engine = LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
+    job = ShardJob(engine, tokenizer, shards, by_id, written, cfg, output, target, layer_ids,
+                   config)  # fmt: skip
+    if cfg.stream:
+        from draftsmith.extract.producer import serve
+
+        return serve(job)
     if todo:
         verb = "reusing the running" if engine.reused else "starting"
         say(f"extract: {verb} vLLM ({target.path}, layers {layer_ids})")
@@ -171,20 +187,55 @@ def run(cfg: ExtractConfig) -> dict:
             stopped_by = "time_limit"  # the next shard would end past the limit
             say(f"extract: time_limit {cfg.time_limit:.0f} s reached after {n_done} shards")
             break
-        sequences, shard_skips = written.get(k, (None, SkipLog()))
+        tokens += job.extract(k)
+        rate = tokens / max(time.monotonic() - started, 1e-9)
+        bar.set_postfix(tok_s=f"{rate:,.0f}", shard=k)
+        bar.update(len(shards[k]))
+    bar.close()
+    engine.close()
+    return manifest.build_manifest(output, target, layer_ids, config, stopped_by)
+
+
+@dataclasses.dataclass
+class ShardJob:
+    """What extracting one planned shard needs; ``extract(k)`` writes shard k."""
+
+    engine: LazyEngine
+    tokenizer: object
+    shards: list[list[str]]
+    by_id: dict
+    written: dict
+    cfg: ExtractConfig
+    output: Path
+    target: object
+    layer_ids: list[int]
+    config: dict
+
+    def extract(self, k: int) -> int:
+        """Capture, write and record shard ``k`` (file, then sidecar, then the manifest);
+        returns its tokens."""
+        from draftsmith.core.files import write_json_atomic
+        from draftsmith.dataset import manifest
+        from draftsmith.dataset.shards import write_shard
+        from draftsmith.extract import capture
+        from draftsmith.extract import sample_plan as plan
+
+        shard_start, output = time.monotonic(), self.output
+        sequences, shard_skips = self.written.get(k, (None, SkipLog()))
         samples = capture.capture_shard(
-            engine.get(),
-            tokenizer,
-            plan.shard_items(shards[k], by_id),
-            cfg,
+            self.engine.get(),
+            self.tokenizer,
+            plan.shard_items(self.shards[k], self.by_id),
+            self.cfg,
             shard_skips,
             written=sequences,
         )
-        info = write_shard(output / manifest.shard_name(k), samples, cfg.dtype)
+        info = write_shard(output / manifest.shard_name(k), samples, self.cfg.dtype)
         write_json_atomic(
             manifest.sidecar_path(output, k),
             {
                 **info.to_dict(),
+                "sample_tokens": [len(s["input_ids"]) for s in samples],  # packing, unread
                 # Per-turn samples repeat their conversation's prefix: what is new in each.
                 "turn_samples": sum(s.get("turn") is not None for s in samples),
                 "samples_by_turn": _by_turn(samples),
@@ -194,14 +245,8 @@ def run(cfg: ExtractConfig) -> dict:
                 "truncated": shard_skips.truncated,  # conversations cut to the rounds that fit
             },
         )
-        manifest.build_manifest(output, target, layer_ids, config)
-        tokens += info.tokens
-        rate = tokens / max(time.monotonic() - started, 1e-9)
-        bar.set_postfix(tok_s=f"{rate:,.0f}", shard=k)
-        bar.update(len(shards[k]))
-    bar.close()
-    engine.close()
-    return manifest.build_manifest(output, target, layer_ids, config, stopped_by)
+        manifest.build_manifest(output, self.target, self.layer_ids, self.config)
+        return info.tokens
 
 
 def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:

@@ -54,6 +54,13 @@ class PipelineConfig:
     acceptance predicts serving. Written to ``<extract dir>/val`` before the training data
     (its seconds count in extract_share) and given to training as ``data.val_data``. Empty:
     training validates on a slice of its own data (train.data.val_fraction)."""
+    stream: dict[str, Any] = field(default_factory=dict)
+    """Train while extraction writes (train's ``data.stream``: shards, policy,
+    producer_timeout), e.g. {shards: 4}: after the validation set, a producer process
+    (``draftsmith extract --stream true``) writes the shards the trainer asks for, never
+    more than ``shards`` ahead, and training reads them shard by shard as they complete.
+    Under time_budget training gets extract_share + train_share. Empty: offline (extract,
+    then train). docs/scaling.md."""
     export: dict[str, Any] = field(default_factory=dict)
     """`draftsmith export` options: num_speculative_tokens, dtype."""
     eval: dict[str, Any] = field(default_factory=dict)

@@ -48,6 +48,7 @@ from draftsmith.pipelines.config import (
     parse_pipeline,
     seconds_of,
 )
+from draftsmith.pipelines.producer import Producer
 from draftsmith.pipelines.stage_dirs import (
     DONE,
     Plan,
@@ -137,6 +138,7 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     if plan.val_dir() is not None and not cfg.data:
         configs["validation"] = stage_config("extract", plan.validation_section())
     run_started = time.monotonic()
+    producer: Producer | None = None
     for stage in STAGES[: last + 1]:
         if stage == "eval" and cfg.time_budget:  # fewer prompts when the hour is slow
             used = time.monotonic() - run_started
@@ -153,6 +155,10 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             state["stages"][stage] = {**entry, "status": "given", "seconds": 0.0}
             say(f"pipeline: extract skipped: training on {d}")
             continue
+        if stage == "extract" and cfg.stream and not (plan.dirs["train"] / DONE).is_file():
+            producer = _start_streaming(plan, configs, state, entry)
+            write_json_atomic(state_file, state)
+            continue
         if (d / DONE).is_file():
             done = json.loads((d / DONE).read_text())
             state["stages"][stage] = {**entry, "status": "skipped", "seconds": done["seconds"]}
@@ -167,15 +173,17 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
         started = time.monotonic()
         # The validation set and the data share one engine; it shuts down (and logs that)
         # into the stage's log, like everything else the stage's libraries print.
-        with stage_log(d / f"{stage}.log"), shared_engines():
-            if stage == "extract" and "validation" in configs:
-                say(f"pipeline: validation set -> {plan.val_dir()}")
-                record(plan.val_dir(), plan.validation_section())
-                run_stage("extract", configs["validation"])
-                plan.validation_seconds = time.monotonic() - started
-            config = _late_fields(stage, plan, configs)
-            record(d, plan.section(stage))
-            code = run_stage(stage, config)
+        try:
+            with stage_log(d / f"{stage}.log"), shared_engines():
+                if stage == "extract" and "validation" in configs:
+                    _validation_set(plan, configs)
+                config = _late_fields(stage, plan, configs)
+                record(d, plan.section(stage))
+                code = run_stage(stage, config)
+        finally:
+            if stage == "train" and producer is not None:  # training over: so is producing
+                _end_streaming(plan, producer, state)
+                producer = None
         seconds = round(time.monotonic() - started, 1)
         status = "done" if not code else f"failed (exit {code})"
         state["stages"][stage] = {**entry, "status": status, "seconds": seconds}
@@ -184,10 +192,50 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             raise PipelineError(f"{stage} failed (exit {code}); its log: {d / (stage + '.log')}")
         write_json_atomic(d / DONE, {"seconds": seconds})
         say(f"pipeline: {stage} done in {seconds:.0f} s{_budget_left(cfg, run_started)}")
+    if producer is not None:  # stop_after: extract on a streamed run
+        _end_streaming(plan, producer, state)
+        write_json_atomic(state_file, state)
     if last == STAGES.index("eval"):
         report = plan.dirs["eval"] / "report.md"
         (out / "summary.md").write_text(report.read_text() if report.is_file() else "")
     return state
+
+
+def _validation_set(plan: Plan, configs: dict[str, Any]) -> None:
+    started = time.monotonic()
+    say(f"pipeline: validation set -> {plan.val_dir()}")
+    record(plan.val_dir(), plan.validation_section())
+    run_stage("extract", configs["validation"])
+    plan.validation_seconds = time.monotonic() - started
+
+
+def _start_streaming(plan: Plan, configs: dict[str, Any], state: dict, entry: dict) -> Producer:
+    """The extract stage of a streamed run: the validation set now, then a producer that
+    writes the training data as the train stage asks for it (``producer.py``)."""
+    d = plan.dirs["extract"]
+    say(f"pipeline: extract -> {d} (streamed: at most {plan.cfg.stream.get('shards', 4)} "
+        "shards ahead of training)")  # fmt: skip
+    if "validation" in configs:
+        with stage_log(d / "extract.log"), shared_engines():
+            _validation_set(plan, configs)
+    record(d, plan.section("extract"))
+    producer = Producer(d)
+    producer.start()
+    seconds = round(plan.validation_seconds, 1)  # the producer's own time overlaps training
+    state["stages"]["extract"] = {**entry, "status": "streaming", "seconds": seconds}
+    return producer
+
+
+def _end_streaming(plan: Plan, producer: Producer, state: dict) -> None:
+    seconds = producer.stop()
+    d = plan.dirs["extract"]
+    entry = state["stages"]["extract"]
+    entry.update(status="streamed", producer_seconds=seconds)
+    code = producer.proc.returncode if producer.proc else None
+    if code == 0:  # the dataset is as training left it (policy: shards kept or dropped)
+        write_json_atomic(d / DONE, {"seconds": entry["seconds"], "streamed": True})
+    else:
+        entry["status"] = f"streamed (producer exit {code}; log {d / 'producer.log'})"
 
 
 def _late_fields(stage: str, plan: Plan, configs: dict[str, Any]) -> Any:

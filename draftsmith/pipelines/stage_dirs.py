@@ -67,6 +67,8 @@ class Plan:
             h_extract = digest("extract", cfg.model, cfg.extract, *budget)
             if cfg.validation:  # the validation set lives in the extract stage's directory
                 h_extract = digest(h_extract, cfg.validation)
+            if cfg.stream:  # a streamed dataset may end without its shards (drop, recapture)
+                h_extract = digest(h_extract, {"stream": cfg.stream})
         if cfg.time_budget:
             seconds_of(cfg.time_budget)  # a malformed budget fails before anything runs
             if not (0 < cfg.extract_share and 0 < cfg.train_share
@@ -85,8 +87,14 @@ class Plan:
                     "time_budget shares the run between the stages, but data: skips "
                     "extraction; set train.trainer.max_time instead"
                 )
+        if cfg.stream and cfg.data:
+            raise PipelineError(
+                f"stream: {cfg.stream} trains while extraction writes, but data: {cfg.data} "
+                "skips extraction; drop one of them"
+            )
         budget = [cfg.time_budget, cfg.train_share] if cfg.time_budget else []
-        h_train = digest("train", h_extract, cfg.train, *budget)
+        streamed = [{"stream": cfg.stream}] if cfg.stream else []
+        h_train = digest("train", h_extract, cfg.train, *budget, *streamed)
         h_export = digest("export", h_train, cfg.export)
         h_eval = digest("eval", h_export, cfg.model, cfg.eval)
         self.hashes = dict(extract=h_extract, train=h_train, export=h_export, eval=h_eval)
@@ -127,7 +135,7 @@ class Plan:
         cfg, d = self.cfg, self.dirs[stage]
         if stage == "extract":
             section = {**cfg.extract, "model": cfg.model, "output": str(d)}
-            if cfg.time_budget:
+            if cfg.time_budget and not cfg.stream:  # a producer runs as long as training
                 left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
                 section["time_limit"] = max(left, 0.01)  # at least one shard: training needs data
         elif stage == "train":
@@ -141,6 +149,8 @@ class Plan:
             )
             if self.val_dir() is not None:
                 section["data"]["val_data"] = str(self.val_dir())
+            if cfg.stream:
+                section["data"]["stream"] = dict(cfg.stream)
             section["trainer"]["logger"] = _loggers(section["trainer"].get("logger"), d)
             if self.train_max_time:
                 section["trainer"]["max_time"] = self.train_max_time

@@ -6,6 +6,7 @@ kind. Samples are packed into rows by ``packing.py``; the batch each row becomes
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,6 +19,7 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.dataset.stream import StreamDir, StreamOptions
 from draftsmith.train.packing import (
     PackedDataset,
     ResumableLoader,
@@ -29,6 +31,12 @@ from draftsmith.train.packing import (
     split_samples,
     teacher_layer_id,
     worker_init,
+)
+from draftsmith.train.shard_order import (
+    ShardBatches,
+    ShardLoader,
+    ShardPlan,
+    open_window,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,8 +54,8 @@ def token_counts(
     counts = torch.zeros(vocab_size, dtype=torch.long)
     wanted = None if samples is None else set(samples)
     first = 0  # dataset position of the shard's first sample
-    for info in ds.manifest["shards"]:
-        with safe_open(str(ds.path / info["file"]), framework="pt") as f:
+    for path in ds.shard_paths:
+        with safe_open(str(path), framework="pt") as f:
             keep = f.get_tensor("loss_mask").bool()
             offsets = f.get_tensor("sample_offsets").tolist()
             if wanted is not None:
@@ -58,7 +66,7 @@ def token_counts(
             ids = f.get_tensor("input_ids").long()[keep]
         if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
             raise DatasetError(
-                f"{ds.path / info['file']}: token ids span [{ids.min()}, {ids.max()}], "
+                f"{path}: token ids span [{ids.min()}, {ids.max()}], "
                 f"outside a vocabulary of {vocab_size}"
             )
         counts += torch.bincount(ids, minlength=vocab_size)
@@ -99,6 +107,18 @@ class StatesDataModule(pl.LightningDataModule):
         check_shards: check each shard's sha256 against the manifest the first time a
             process maps it, before any of its samples trains (a flipped byte anywhere is
             refused in one line); false skips it (``make bench-loader`` measures the cost).
+        order: samples (every training sample packed together, rows shuffled each epoch) or
+            shards (plan order, rows packed and shuffled within each shard: the order a
+            streamed run trains in, whatever order shards arrive in; ``shard_order.py``).
+            In shard order the draft vocabulary, the schedule's length (estimated for the
+            whole epoch) and the ``val_fraction`` split come from the first ``fit_shards``
+            shards, and batch and position are per shard.
+        fit_shards: shard order: how many leading shards the draft vocabulary, the schedule
+            length and the validation split are taken from (null: every shard offline,
+            ``stream.shards`` when streaming; at most ``stream.shards`` then).
+        stream: train while ``draftsmith extract --stream true`` writes ``data`` (shard
+            order): the disk bound, the policy after each epoch, the producer timeout
+            (``draftsmith.dataset.stream``). Null: the dataset is already extracted.
     """
 
     def __init__(
@@ -116,6 +136,9 @@ class StatesDataModule(pl.LightningDataModule):
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         workers_keep_memory: bool = True,
         check_shards: bool = True,
+        order: Literal["samples", "shards"] = "samples",
+        fit_shards: int | None = None,
+        stream: StreamOptions | None = None,
     ) -> None:
         super().__init__()
         if row_tokens < 1 or batch_size < 1 or num_workers < 0 or noise_std < 0:
@@ -127,7 +150,24 @@ class StatesDataModule(pl.LightningDataModule):
         self.val_data = val_data
         self.num_workers, self.seed, self.noise_std = num_workers, seed, noise_std
         self.workers_keep_memory = workers_keep_memory
-        self.dataset = open_dataset(data, dtype=DTYPES[dtype], check_shards=check_shards)
+        self.dtype, self.check_shards = DTYPES[dtype], check_shards
+        self.stream, self.epochs_cap = stream, None
+        self.order = "shards" if stream is not None else order
+        self.shard_plan: ShardPlan | None = None
+        self.listed: dict[int, dict[str, Any]] | None = None
+        if self.order == "shards":
+            if max_train_samples is not None:
+                raise ConfigError(
+                    "data.max_train_samples: shard order trains whole shards; drop it, or use "
+                    "data.order: samples on an extracted dataset"
+                )
+            if stream is not None and stream.policy == "drop":
+                self.epochs_cap = 1  # each shard trains once
+            self.dataset, self.all_shards, self.listed = open_window(
+                data, fit_shards, stream, DTYPES[dtype], check_shards
+            )
+        else:
+            self.dataset = open_dataset(data, dtype=DTYPES[dtype], check_shards=check_shards)
         self.manifest: dict[str, Any] = self.dataset.manifest
         self.layer_ids: list[int] = list(self.dataset.layer_ids)
         self.teacher_layer_id = teacher_layer_id(self.manifest, data)
@@ -139,6 +179,11 @@ class StatesDataModule(pl.LightningDataModule):
             len(self.dataset), val_fraction, seed, ids=self.dataset.ids
         )
         self.val_dataset = self.dataset
+        if stream is not None and stream.policy != "keep" and val_fraction > 0 and not val_data:
+            say(
+                f"train: data.stream.policy {stream.policy}: the {len(self.val_indices)} "
+                "validation samples' shards are kept on disk (give data.val_data to keep none)"
+            )
         if val_data:
             self.val_dataset = open_dataset(
                 val_data, dtype=DTYPES[dtype], check_shards=check_shards
@@ -215,7 +260,14 @@ class StatesDataModule(pl.LightningDataModule):
         )
 
     def num_train_batches(self) -> int:
-        """Training batches per epoch on each rank (the packing is computed, no data read)."""
+        """Training batches per epoch on each rank (the packing is computed, no data read;
+        in shard order, estimated from the first ``fit_shards`` shards)."""
+        if self.order == "shards":
+            plan, world = self._shard_plan(), self.trainer.world_size if self.trainer else 1
+            window = [int(p.stem.split("-")[1]) for p in self.dataset.shard_paths]
+            per_shard = sum(plan.batches(k, plan.info(k)) for k in window)
+            per_shard /= max(len(window), 1)
+            return max(1, math.ceil(per_shard * math.ceil(len(self.all_shards) / world)))
         lengths = [self.dataset.lengths[i] for i in self.train_indices]
         rows = len(pack(lengths, self.row_tokens, self.seed))
         world = self.trainer.world_size if self.trainer is not None else 1
@@ -229,8 +281,56 @@ class StatesDataModule(pl.LightningDataModule):
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
-        """Packed once (seeded); rows split across ranks and shuffled by ``seed + epoch``."""
+        """Packed once (seeded); rows split across ranks and shuffled by ``seed + epoch``
+        (shard order: ``shard_order.py``)."""
+        if self.order == "shards":
+            return self._shard_loader()
         return self._loader(self.dataset, self.train_indices, self.seed)
+
+    def _shard_plan(self) -> ShardPlan:
+        if self.shard_plan is None:
+            rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer \
+                else (0, 1)  # fmt: skip
+            val_ids = set() if self.val_data else {self.dataset.ids[i] for i in self.val_indices}
+            self.shard_plan = ShardPlan(
+                Path(self.data),
+                [k for k in self.all_shards if k % world == rank],
+                self.all_shards,
+                self.row_tokens,
+                self.batch_size,
+                self.seed,
+                val_ids,
+                self.listed,
+            )
+        return self.shard_plan
+
+    def _shard_loader(self) -> ShardLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+
+        def stop() -> None:
+            if self.trainer is not None:
+                self.trainer.should_stop = True
+
+        batches = ShardBatches(
+            self._shard_plan(),
+            rank,
+            world,
+            self.aux_layer_ids,
+            self.dtype,
+            self.check_shards,
+            self.hidden_size,
+            lambda: self.trainer.current_epoch if self.trainer else 0,
+            self.stream,
+            on_stop=stop,
+        )
+        return ShardLoader(batches, self._batches_done)
+
+    def teardown(self, stage: str) -> None:
+        """Streaming: tell the producers the trainer is done (rank 0, after fit)."""
+        if self.stream is not None and stage == "fit":
+            if self.trainer is None or self.trainer.is_global_zero:
+                StreamDir(self.data).finish()
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation rows in a fixed packing and order; [] (no validation) when none."""

@@ -221,7 +221,9 @@ class DraftModule(pl.LightningModule):
         if trainer.limit_train_batches is not None and isinstance(trainer.limit_train_batches, int):
             batches = min(batches, trainer.limit_train_batches)
         per_epoch = -(-batches // trainer.accumulate_grad_batches)
-        return per_epoch * max(trainer.max_epochs or 1, 1)
+        epochs = max(trainer.max_epochs or 1, 1)
+        cap = getattr(trainer.datamodule, "epochs_cap", None)  # a stream that drops shards: 1
+        return per_epoch * (min(epochs, cap) if cap else epochs)
 
     def time_progress(self) -> float:
         """Fraction of ``trainer.max_time`` spent in fit so far; 0 without a time cap."""

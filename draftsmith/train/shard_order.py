@@ -1,0 +1,358 @@
+"""Training shard by shard (``data.order: shards``), from a finished dataset or a stream.
+
+The order is fixed by the plan, never by when shards arrive, so a streamed run and an
+offline run over the same shards train the same rows in the same order:
+
+- rank r of w trains the planned shards ``k`` with ``k % w == r``, in plan order;
+- a shard's training samples are packed into rows once (seeded by ``seed`` and ``k``) and
+  its rows are shuffled every epoch (seeded by ``seed``, the epoch and ``k``);
+- a batch holds rows of one shard; a rank that runs out before the others pads with empty
+  batches (no loss), so every rank takes the same number of steps;
+- the position is Lightning's count of batches finished in the epoch: the shards' batch
+  counts, computed from their sample lengths (in each sidecar, kept after a shard is
+  deleted), turn it into (shard, row), so a resumed run trains exactly the batches the
+  interrupted one had not.
+
+Streaming adds the producer (``draftsmith.dataset.stream``): before reading a shard the
+loader asks for it and for the next ones, up to this rank's share of the disk bound, waits
+for it, and afterwards deletes it unless the policy keeps it or it holds validation samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from draftsmith.core.console import say
+from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.dataset.stream import (
+    StreamDir,
+    StreamOptions,
+    planned_shards,
+    shard_ready,
+    sidecar,
+)
+from draftsmith.train.packing import PackedDataset, collate, pack
+
+SEED_STRIDE = 1_000_003  # keeps (seed, shard) seeds apart
+
+
+def shard_seed(seed: int, shard: int, epoch: int = 0) -> int:
+    return (seed * SEED_STRIDE + shard) * 1009 + epoch
+
+
+@dataclass
+class ShardPlan:
+    """Which shards a rank trains and how its rows fall into batches."""
+
+    root: Path
+    shards: list[int]
+    """Planned shard indices this rank trains, in order."""
+    all_shards: list[int]
+    """Every planned shard (all ranks)."""
+    row_tokens: int
+    batch_size: int
+    seed: int
+    val_ids: set[str] = field(default_factory=set)
+    """Validation samples: never trained (their shards are never deleted)."""
+    listed: dict[int, dict[str, Any]] | None = None
+    """Offline: each shard's manifest entry (a dataset may have no sidecars); None when
+    streaming (the sidecars, written as shards arrive)."""
+
+    def info(self, index: int) -> dict[str, Any] | None:
+        """What is recorded about shard ``index`` (None: not written yet)."""
+        if self.listed is not None:
+            return self.listed.get(index)
+        return sidecar(self.root, index)
+
+    def train_lengths(self, index: int, info: dict[str, Any]) -> list[int]:
+        """Token counts of shard ``index``'s training samples, from its sidecar (no states
+        read; a deleted shard's sidecar still has them)."""
+        lengths = info.get("sample_tokens")
+        if lengths is None:  # written before sidecars recorded lengths: read the header
+            lengths = _one_shard(self.root, info).lengths
+        return [n for n, sid in zip(lengths, info["sample_ids"], strict=True)
+                if sid not in self.val_ids]  # fmt: skip
+
+    def rows(self, index: int, info: dict[str, Any]) -> list[list[int]]:
+        """Shard ``index``'s packed rows (training-sample positions among its training
+        samples), in packing order."""
+        return pack(self.train_lengths(index, info), self.row_tokens, shard_seed(self.seed, index))
+
+    def batches(self, index: int, info: dict[str, Any]) -> int:
+        return math.ceil(len(self.rows(index, info)) / self.batch_size)
+
+    def holds_validation(self, info: dict[str, Any]) -> bool:
+        return any(sid in self.val_ids for sid in info["sample_ids"])
+
+
+class ShardBatches(IterableDataset):
+    """One epoch of this rank's batches, shard by shard (module docstring)."""
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        rank: int,
+        world: int,
+        aux_layers: list[int],
+        dtype: torch.dtype,
+        check_shards: bool,
+        hidden_size: int,
+        current_epoch: Callable[[], int],
+        stream: StreamOptions | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.plan, self.rank, self.world = plan, rank, world
+        self.hidden_size, self.current_epoch = hidden_size, current_epoch
+        self.aux_layers, self.dtype, self.check_shards = aux_layers, dtype, check_shards
+        self.stream = stream
+        self.streams = StreamDir(plan.root) if stream else None
+        self.window = max(1, stream.shards // world) if stream else 0
+        self.on_stop = on_stop  # called when the policy ends training (drop, after one epoch)
+        self.epoch, self.skip = 0, 0
+        self.done: list[tuple[int, int]] = []  # (shard, batches) finished this epoch, in order
+        self.read: set[int] = set()  # shards read in full this epoch (maybe deleted already)
+        self.trained_tokens, self.train_s, self.waited_s = 0, 0.0, 0.0
+        self._beat = 0.0
+
+    # ----- position -----------------------------------------------------------------
+    def position(self, batches_done: int) -> dict[str, Any]:
+        """(shards finished, shard in progress, its batches done) after ``batches_done``."""
+        finished, left = [], batches_done
+        for index, n in self.done:
+            if left < n:
+                return {"shards_done": finished, "shard": index, "batches_in_shard": left}
+            finished.append(index)
+            left -= n
+        return {"shards_done": finished, "shard": None, "batches_in_shard": left}
+
+    # ----- iteration ----------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        self.epoch = self.current_epoch()
+        skip, self.skip, self.done, self.read = self.skip, 0, [], set()
+        yielded = 0
+        mine = self.plan.shards
+        for pos, index in enumerate(mine):
+            info = self._sidecar_or_wait(index, mine[pos:], need_file=False)
+            n = self.plan.batches(index, info)
+            if skip >= n:  # trained before the checkpoint this run resumed from
+                skip -= n
+                self.done.append((index, n))
+                yielded += n
+                continue
+            info = self._sidecar_or_wait(index, mine[pos:], need_file=True)
+            for batch in self._shard(index, info, start=skip):
+                yielded += 1
+                yield batch
+            skip = 0
+            self.done.append((index, n))
+        for _ in range(self._rank_padding(yielded)):
+            yield self._empty()
+        if self.stream and self.stream.policy == "drop" and self.on_stop:
+            self.on_stop()
+
+    def _shard(self, index: int, info: dict[str, Any], start: int) -> Iterator[dict[str, Tensor]]:
+        ds = _one_shard(self.plan.root, info, self.dtype, self.check_shards)
+        train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
+        rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
+        order = torch.randperm(
+            len(rows), generator=torch.Generator().manual_seed(shard_seed(self.plan.seed, index,
+                                                                          self.epoch + 1))
+        ).tolist()  # fmt: skip
+        packed = PackedDataset(ds, [rows[r] for r in order], self.plan.row_tokens, self.aux_layers)
+        bs = self.plan.batch_size
+        count = math.ceil(len(rows) / bs)
+        started = time.monotonic()
+        if start >= count:
+            self.read.add(index)
+            self._release(index, info)
+        for b in range(start, count):
+            items = [packed[r] for r in range(b * bs, min((b + 1) * bs, len(rows)))]
+            batch = collate(items)
+            self.trained_tokens += int(batch["loss_mask"].numel() - (batch["doc_ids"] < 0).sum())
+            if b == count - 1:  # read in full: its file can go before the last step trains
+                self.read.add(index)
+                self._release(index, info)
+            yield batch
+            self._heartbeat()
+        self.train_s += time.monotonic() - started
+
+    def _empty(self) -> dict[str, Tensor]:
+        """A batch of padding only: no loss, no gradient; keeps ranks in step."""
+        h, t, b = self.hidden_size, self.plan.row_tokens, self.plan.batch_size
+        return {
+            "input_ids": torch.zeros(b, t, dtype=torch.long),
+            "aux_states": torch.zeros(b, t, len(self.aux_layers) * h, dtype=self.dtype),
+            "teacher_states": torch.zeros(b, t, h, dtype=self.dtype),
+            "position_ids": torch.arange(t).repeat(b, 1),
+            "doc_ids": torch.full((b, t), -1, dtype=torch.long),
+            "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+        }
+
+    def _rank_padding(self, mine: int) -> int:
+        """Empty batches this rank adds so that it takes as many steps as the busiest rank."""
+        if self.world == 1:
+            return 0
+        totals = [0] * self.world
+        for index in self.plan.all_shards:
+            info = self._sidecar_or_wait(index, [], need_file=False)
+            totals[index % self.world] += self.plan.batches(index, info)
+        return max(totals) - mine
+
+    # ----- streaming ----------------------------------------------------------------
+    def _sidecar_or_wait(self, index: int, ahead: list[int], need_file: bool) -> dict[str, Any]:
+        """Shard ``index``'s record (and, with ``need_file``, its file on disk). Streaming,
+        a shard about to be read is announced with the next ones (``ahead``), however it
+        stands: the producer then never acts on an older list; a missing one is waited for."""
+        root = self.plan.root
+        if self.streams is None:
+            info = self.plan.info(index)
+            if info is None:
+                raise DatasetError(
+                    f"{root}: shard {index} is missing; re-run its `draftsmith extract` "
+                    "command to write it again (or `--repair true`)"
+                )
+            return info
+        if not need_file:
+            info = sidecar(root, index)
+            if info is not None:
+                return info
+        want = ahead[: self.window] or [index]
+        self._tell(want)
+        started = time.monotonic()
+        info = self.streams.wait_for(
+            index, self.stream.producer_timeout, stop=lambda: self._heartbeat(want)
+        )
+        waited = time.monotonic() - started
+        self.waited_s += waited
+        if waited > 1.0:
+            self._report(index, waited)
+        return info
+
+    def _tell(self, want: list[int]) -> None:
+        assert self.streams is not None
+        self.streams.want(
+            self.rank,
+            want,
+            epoch=self.epoch,
+            trained_tokens=self.trained_tokens,
+            train_s=round(self.train_s, 1),
+            waited_s=round(self.waited_s, 1),
+        )
+        self._beat = time.monotonic()
+
+    def _heartbeat(self, want: list[int] | None = None) -> None:
+        """Every few seconds, re-say what this rank wants (the producer's sign of life)."""
+        if self.streams is None or time.monotonic() - self._beat < 5.0:
+            return
+        ahead = [k for k in self.plan.shards if k not in self.read][: self.window]
+        self._tell(want if want is not None else ahead)
+
+    def _release(self, index: int, info: dict[str, Any]) -> None:
+        if self.streams is None or self.stream.policy == "keep":
+            return
+        if self.plan.holds_validation(info):
+            return
+        # Say first that it is no longer wanted, then delete it: a producer never reads a
+        # list that still asks for a shard already gone.
+        self._tell([k for k in self.plan.shards if k not in self.read][: self.window])
+        self.streams.release(index)
+
+    def _report(self, index: int, waited: float) -> None:
+        """Which side starves: the trainer's rate, the producers' and the backlog."""
+        producers = self.streams.producers() if self.streams else []
+        rate = sum(p.get("tok_s", 0.0) for p in producers)
+        mine = self.plan.shards
+        backlog = sum(shard_ready(self.plan.root, k) is not None for k in mine
+                      if k not in {d for d, _ in self.done})  # fmt: skip
+        train_rate = self.trained_tokens / max(self.train_s, 1e-9)
+        say(
+            f"stream: rank {self.rank} waited {waited:.0f} s for shard {index} (epoch "
+            f"{self.epoch}; {self.waited_s:.0f} s in all): producer {rate:,.0f} tok/s, trainer "
+            f"{train_rate:,.0f} tok/s, backlog {backlog} shards"
+        )
+
+
+class ShardLoader(DataLoader):
+    """The DataLoader over ``ShardBatches``; its position goes into checkpoints."""
+
+    def __init__(self, batches: ShardBatches, batches_done: Callable[[], int]) -> None:
+        super().__init__(batches, batch_size=None, num_workers=0)
+        self.batches_done = batches_done
+
+    def state_dict(self) -> dict[str, Any]:
+        b: ShardBatches = self.dataset  # type: ignore[assignment]
+        done = self.batches_done()
+        return {"epoch": b.epoch, "batches_done": done, **b.position(done)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        b: ShardBatches = self.dataset  # type: ignore[assignment]
+        b.skip = state["batches_done"]  # the epoch comes back with Lightning's own loop
+
+
+def listed_shards(data: str | Path) -> dict[int, dict[str, Any]]:
+    """Shard index -> manifest entry, for every shard of a finished dataset."""
+    shards = json.loads((Path(data) / "manifest.json").read_text())["shards"]
+    return {int(Path(info["file"]).stem.split("-")[1]): info for info in shards}
+
+
+def open_window(
+    data: str,
+    fit_shards: int | None,
+    stream: StreamOptions | None,
+    dtype: torch.dtype,
+    check_shards: bool,
+) -> tuple[HiddenStatesDataset, list[int], dict[int, dict[str, Any]] | None]:
+    """(the first ``fit_shards`` shards as a dataset, every shard index to train, the
+    shards' manifest entries offline / None streaming).
+
+    Offline: the shards written (a dataset stopped by its time limit trains the whole
+    shards it has). Streaming: every planned shard; this waits for the producer's plan and
+    for the window's shards (asking for them), within ``stream.producer_timeout``."""
+    root, listed = Path(data), None
+    if stream is None:
+        open_dataset(data, dtype=dtype, check_shards=False)  # checks the whole dataset once
+        listed = {k: v for k, v in listed_shards(data).items() if v["sample_ids"]}
+        all_shards = sorted(listed)
+        count = len(all_shards) if fit_shards is None else fit_shards
+    else:
+        stream.check()
+        streams = StreamDir(root)
+        streams.want(0, [])  # the trainer is here: a waiting producer sees it
+        planned = streams.wait_until(
+            lambda: planned_shards(root) if (root / "plan.json").is_file() else None,
+            "the producer's plan.json", stream.producer_timeout,
+        )  # fmt: skip
+        all_shards = list(range(len(planned)))
+        count = stream.shards if fit_shards is None else fit_shards
+        if count > stream.shards:
+            raise DatasetError(
+                f"data.fit_shards: {count} > data.stream.shards {stream.shards}: the trainer "
+                "would wait for more shards than the producer may write; give at most "
+                f"{stream.shards}"
+            )
+    if count < 1 or not all_shards:
+        raise DatasetError(f"data.fit_shards: {count}; give at least 1 (dataset {data})")
+    window = all_shards[:count]
+    if stream is not None:
+        streams.want(0, window)
+        for k in window:
+            streams.wait_for(k, stream.producer_timeout, stop=lambda: streams.want(0, window))
+    infos = [listed[k] if listed is not None else sidecar(root, k) for k in window]
+    ds = HiddenStatesDataset(root, dtype, check_shards=check_shards, shard_infos=infos)
+    return ds, all_shards, listed
+
+
+def _one_shard(
+    root: Path, info: dict[str, Any], dtype: torch.dtype = torch.float32, check: bool = False
+) -> HiddenStatesDataset:
+    return HiddenStatesDataset(root, dtype, check_shards=check, shard_infos=[info])

@@ -1,0 +1,207 @@
+"""Streaming, trainer side: shard order, the disk bound, policies, exactly-once resume, ranks.
+
+The producer here replays a finished dataset shard by shard through the same protocol
+(``draftsmith.dataset.stream``) the real one speaks: it writes only what the trainer asks
+for, file first and sidecar last. The real producer (vLLM) is in test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.core.files import write_json_atomic
+from draftsmith.dataset.stream import StreamDir, shard_file, sidecar_file
+from draftsmith.train.main import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, tiny_model_dir, make_hf_dataset) -> Path:
+    """A finished dataset in extract's layout: 6 shards of 4, plan.json and sidecars."""
+    prompts = [f"Say something short about item {i}." for i in range(24)]
+    out = make_hf_dataset(
+        tmp_path_factory.mktemp("src") / "ds", tiny_model_dir, prompts, samples_per_shard=4
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    from draftsmith.dataset import open_dataset
+
+    ds = open_dataset(out)
+    lengths = iter(ds.lengths)
+    for k, info in enumerate(manifest["shards"]):
+        tokens = [next(lengths) for _ in info["sample_ids"]]
+        write_json_atomic(out / sidecar_file(k), {**info, "sample_tokens": tokens})
+    plan = {"fingerprint": {}, "samples_sha256": "", "skipped": {}}
+    write_json_atomic(
+        out / "plan.json", {**plan, "shards": [i["sample_ids"] for i in manifest["shards"]]}
+    )
+    return out
+
+
+class Replay(threading.Thread):
+    """A producer that copies the source's shards into ``dest`` as the trainer asks."""
+
+    def __init__(self, src: Path, dest: Path, die_after: int | None = None) -> None:
+        super().__init__(daemon=True)
+        self.src, self.dest, self.die_after = src, dest, die_after
+        self.stream = StreamDir(dest)
+        self.written: list[int] = []
+        self.high_water = 0  # most unconsumed shards on disk, counted as each is written
+        self.halt = threading.Event()
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("plan.json", "manifest.json"):
+            shutil.copy(src / name, dest / name)
+
+    def run(self) -> None:
+        while not self.stream.finished() and not self.halt.is_set():
+            self.stream.beat(0, state="waiting", tok_s=1000.0)
+            wanted = self.stream.wanted()
+            todo = [k for k in wanted if not (self.dest / shard_file(k)).is_file()]
+            if not todo:
+                time.sleep(0.05)
+                continue
+            if self.die_after is not None and len(self.written) >= self.die_after:
+                return  # dies for good: no more heartbeats
+            k = todo[0]
+            # Unconsumed: on disk, at or past the earliest shard a rank still needs.
+            ahead = {int(p.stem.split("-")[1]) for p in self.dest.glob("shard-*.safetensors")}
+            ahead = {i for i in ahead if i >= min(wanted)} | {k}
+            self.high_water = max(self.high_water, len(ahead))
+            shutil.copy(self.src / shard_file(k), self.dest / shard_file(k))
+            shutil.copy(self.src / sidecar_file(k), self.dest / sidecar_file(k))
+            self.written.append(k)
+
+
+def fit(data: Path, out: Path, *extra: str) -> int:
+    return train_main(
+        [
+            "fit",
+            f"--config={TINY}",
+            f"--data.data={data}",
+            f"--trainer.default_root_dir={out}",
+            f"--checkpoint.dirpath={out / 'ckpt'}",
+            "--data.batch_size=1",
+            "--data.order=shards",
+            "--data.fit_shards=2",
+            *extra,
+        ]
+    )
+
+
+def head(out: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(out / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    return {k: v for k, v in state["state_dict"].items() if k.startswith("head.")}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.fixture(scope="module")
+def offline(source, tmp_path_factory) -> Path:
+    """The reference: shard order on the finished dataset, two epochs."""
+    out = tmp_path_factory.mktemp("offline")
+    assert fit(source, out) == 0
+    return out
+
+
+def test_streamed_run_trains_the_offline_head_within_the_bound(source, offline, tmp_path):
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest)
+    producer.start()
+    assert fit(dest, tmp_path / "run", "--data.stream.shards=2") == 0
+    producer.join(timeout=10)
+    assert_same(head(tmp_path / "run"), head(offline))
+    assert producer.high_water <= 2
+    assert sorted(producer.written) == list(range(6))  # keep: the first epoch captured all
+    ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)
+    position = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert position["epoch"] == 1 and position["shards_done"] == list(range(6))
+
+
+def test_recapture_deletes_after_use_and_extracts_again(source, offline, tmp_path):
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest)
+    producer.start()
+    assert fit(dest, tmp_path / "run", "--data.stream.shards=2",
+               "--data.stream.policy=recapture") == 0  # fmt: skip
+    producer.join(timeout=10)
+    assert_same(head(tmp_path / "run"), head(offline))
+    assert producer.high_water <= 2
+    # Validation samples sit in the first two shards: those are kept, the rest written twice.
+    assert sorted(producer.written) == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert not (dest / shard_file(5)).exists() and (dest / sidecar_file(5)).exists()
+
+
+def test_drop_trains_each_shard_once(source, tmp_path):
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest)
+    producer.start()
+    assert fit(dest, tmp_path / "run", "--data.stream.shards=2",
+               "--data.stream.policy=drop", "--data.val_fraction=0") == 0  # fmt: skip
+    producer.join(timeout=10)
+    ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["epoch"] == 0 or ckpt["epoch"] == 1  # ended after the first pass
+    assert sorted(producer.written) == list(range(6))
+    assert not any(dest.glob("shard-*.safetensors"))
+
+
+def test_killed_trainer_resumes_to_the_uninterrupted_head(source, offline, tmp_path):
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest)
+    producer.start()
+    # A checkpoint every step (none monitored: the first validation comes after epoch 0).
+    every = ["--checkpoint.every_n_train_steps=1", "--checkpoint.monitor=null",
+             "--data.stream.shards=2"]  # fmt: skip
+    crash = ["--trainer.callbacks+=helpers.CrashAtStep", "--trainer.callbacks.step=5"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(dest, tmp_path / "run", *every, *crash)
+    StreamDir(dest).reset()
+    resume = f"--ckpt_path={tmp_path / 'run' / 'ckpt' / 'last.ckpt'}"
+    assert fit(dest, tmp_path / "run", *every, resume) == 0
+    producer.join(timeout=10)
+    assert_same(head(tmp_path / "run"), head(offline))
+
+
+def test_a_producer_that_dies_ends_the_run_in_one_line(source, tmp_path, capfd):
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest, die_after=3)
+    producer.start()
+    code = fit(dest, tmp_path / "run", "--data.stream.shards=2",
+               "--data.stream.producer_timeout=2")  # fmt: skip
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert "shard 3 never came" in err[-1] and "producer w0" in err[-1]
+
+
+def test_two_ranks_consume_disjoint_shards(source, tmp_path):
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest)
+    producer.start()
+    out = tmp_path / "ddp"
+    args = [
+        "fit", f"--config={TINY}", f"--data.data={dest}", f"--trainer.default_root_dir={out}",
+        f"--checkpoint.dirpath={out / 'ckpt'}", "--data.batch_size=1", "--data.fit_shards=2",
+        "--data.stream.shards=2", "--trainer.max_epochs=1", "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+    ]  # fmt: skip
+    run = subprocess.run([sys.executable, "-m", "draftsmith.train", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    producer.join(timeout=10)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ckpt = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)
+    position = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert position["shards_done"] == [0, 2, 4]  # rank 0's; rank 1 took 1, 3, 5
+    assert sorted(producer.written) == list(range(6))  # each shard written once
