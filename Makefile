@@ -19,7 +19,7 @@ ifdef VERBOSE
 export DRAFTSMITH_VERBOSE := 1
 endif
 
-.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget bench-extract bench-train bench-loader clean
+.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget study-eagle31 study-warmstart bench-extract bench-train bench-loader clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,22 @@ study-scaling: setup
 
 study-budget: setup
 	$(PY) -m draftsmith.cli study --config configs/study/smollm2-budget.yaml
+
+# EAGLE-3.0 against 3.1 at the demo's budget (docs/head-quality.md).
+study-eagle31: setup
+	$(PY) -m draftsmith.cli study --config configs/study/smollm2-eagle31.yaml
+
+# Warm start: the demo's head (written as a published EAGLE head) fine-tuned on a code mix,
+# against a head trained from scratch on it; the starting head measured as it is.
+WARM_HEAD := outputs/heads/smollm2-demo-eagle
+study-warmstart: setup
+	test -f outputs/pipeline/smollm2/summary.md || $(MAKE) demo
+	$(PY) -m draftsmith.cli convert --head $$(ls -d outputs/pipeline/smollm2/head-* | head -1) \
+		--to eagle --model smollm2-135m --output $(WARM_HEAD) --overwrite true
+	$(PY) -m draftsmith.cli study --config configs/study/smollm2-warmstart.yaml
+	$(PY) -m draftsmith.cli eval --config configs/eval/smollm2.yaml --head $(WARM_HEAD) \
+		--output outputs/study/smollm2-warmstart/start-head --k '[1,2,3,4]' --derive_k true \
+		--limit 20 --concurrency 20 --baselines '[]' --lossless false
 
 bench-extract: setup
 	$(PY) -m draftsmith.cli bench-extract $(if $(CONFIG),--config $(CONFIG))

