@@ -120,6 +120,25 @@ def test_content_addresses_follow_upstream_changes(tmp_path):
     assert c.dirs["train"] == a.dirs["train"] and c.dirs["eval"] != a.dirs["eval"]
 
 
+def test_a_stream_section_reaches_training_and_moves_both_addresses(tmp_path):
+    budget = dict(output=str(tmp_path), time_budget="00:00:20:00", extract={"data": ["a"]})
+    offline = Plan(PipelineConfig(**budget))
+    streamed = Plan(PipelineConfig(**budget, stream={"shards": 3, "policy": "drop"}))
+    assert streamed.dirs["extract"] != offline.dirs["extract"]
+    assert streamed.dirs["train"] != offline.dirs["train"]
+    assert streamed.section("train")["data"]["stream"] == {"shards": 3, "policy": "drop"}
+    assert "stream" not in offline.section("train")["data"]
+    # The producer runs as long as training: no extraction time limit.
+    assert "time_limit" not in streamed.section("extract")
+    assert offline.section("extract")["time_limit"] == 360
+    # Training gets both shares, less what the validation set took (it ran before).
+    max_time, _ = train_time(streamed.cfg, extract_seconds=40.0)
+    assert max_time == "00:00:12:50"  # (0.3 x 1200 - 40) + 0.4 x 1200 - 30 = 770 s
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": []}))
+    with pytest.raises(PipelineError, match="stream: .* skips extraction"):
+        Plan(PipelineConfig(output=str(tmp_path), data=str(tmp_path), stream={"shards": 2}))
+
+
 def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -8,9 +8,11 @@ OpenAI shape (``{"messages": [{"role": "user", "content": ...}]}``), or prompt-o
 also hold tool calls, tool messages and a ``tools`` list (see :mod:`.rows`).
 
 Built-in sets: ``mt_bench`` (80 first turns), ``humaneval`` (164 problems) and
-``sharegpt[:full|:code][@train|@heldout]`` (de-duplicated ShareGPT first turns, with
-``:full`` whole conversations, with ``:code`` the first turns about programming; ``@heldout`` is a fixed 2% slice training never sees; see
-:mod:`draftsmith.conversations.sharegpt`). Prompt-only sets need the target to write the replies.
+``sharegpt[:full|:code][@train|@heldout]`` (de-duplicated ShareGPT first turns; with
+``:full`` whole conversations, with ``:code`` the first turns about programming;
+``@heldout`` is a fixed 2% slice training never sees; see
+:mod:`draftsmith.conversations.sharegpt`). Prompt-only sets need the target to write the
+replies.
 
 A bad row either stops loading with a one-line :class:`DataError` naming the file, row
 and field, or (``bad_rows="skip"``) is counted in a :class:`SkipLog` by reason.

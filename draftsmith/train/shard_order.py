@@ -157,6 +157,8 @@ class ShardBatches(IterableDataset):
             self.done.append((index, n))
         for _ in range(self._rank_padding(yielded)):
             yield self._empty()
+        if self.streams is not None:
+            self._epoch_line(len(mine))
         if self.stream and self.stream.policy == "drop" and self.on_stop:
             self.on_stop()
 
@@ -279,6 +281,19 @@ class ShardBatches(IterableDataset):
             f"stream: rank {self.rank} waited {waited:.0f} s for shard {index} (epoch "
             f"{self.epoch}; {self.waited_s:.0f} s in all): producer {rate:,.0f} tok/s, trainer "
             f"{train_rate:,.0f} tok/s, backlog {backlog} shards"
+        )
+
+    def _epoch_line(self, shards: int) -> None:
+        """One line per streamed epoch: which side waited for the other."""
+        producers = self.streams.producers() if self.streams else []
+        made = sum(p.get("tokens", 0) for p in producers)
+        busy = max((p.get("busy_s", 0.0) for p in producers), default=0.0)
+        idle = max((p.get("waiting_s", 0.0) for p in producers), default=0.0)
+        say(
+            f"stream: epoch {self.epoch}, rank {self.rank}: {shards} shards, "
+            f"{self.trained_tokens:,} tokens trained in {self.train_s:.0f} s, "
+            f"{self.waited_s:.0f} s waiting for shards; producers: {made:,} tokens written "
+            f"in {busy:.0f} s, {idle:.0f} s waiting for the trainer"
         )
 
 
