@@ -76,3 +76,18 @@ def serve_head(target, head, prompts: list[str], tmp_path, method: str, *extra: 
     assert run["lossless"]["mismatches"] == [], run["lossless"]
     assert run["counters"]["num_accepted_tokens"] > 0, run
     return run
+
+
+class StepMarker(Callback):
+    """Writes ``global_step`` to ``path`` after each training batch, then sleeps ``pause``
+    seconds: a run slow enough for a test to SIGKILL it at a step of its choosing."""
+
+    def __init__(self, path: str, pause: float = 0.2) -> None:
+        self.path, self.pause = path, pause
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        import time
+        from pathlib import Path
+
+        Path(self.path).write_text(str(trainer.global_step))
+        time.sleep(self.pause)

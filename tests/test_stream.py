@@ -8,7 +8,9 @@ for, file first and sidecar last. The real producer (vLLM) is in test_pipeline.p
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -158,21 +160,36 @@ def test_drop_trains_each_shard_once(source, tmp_path):
     assert not any(dest.glob("shard-*.safetensors"))
 
 
-def test_killed_trainer_resumes_to_the_uninterrupted_head(source, offline, tmp_path):
-    dest = tmp_path / "ds"
+def test_sigkilled_trainer_resumes_to_the_uninterrupted_head(source, offline, tmp_path):
+    """The trainer is SIGKILLed mid-epoch while it streams; the resumed run trains the
+    offline head (nothing trained twice, nothing skipped)."""
+    dest, out, marker = tmp_path / "ds", tmp_path / "run", tmp_path / "step"
     producer = Replay(source, dest)
     producer.start()
     # A checkpoint every step (none monitored: the first validation comes after epoch 0).
     every = ["--checkpoint.every_n_train_steps=1", "--checkpoint.monitor=null",
              "--data.stream.shards=2"]  # fmt: skip
-    crash = ["--trainer.callbacks+=helpers.CrashAtStep", "--trainer.callbacks.step=5"]
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        fit(dest, tmp_path / "run", *every, *crash)
+    args = [
+        "fit", f"--config={TINY}", f"--data.data={dest}", f"--trainer.default_root_dir={out}",
+        f"--checkpoint.dirpath={out / 'ckpt'}", "--data.batch_size=1", "--data.order=shards",
+        "--data.fit_shards=2", *every, "--trainer.callbacks+=helpers.StepMarker",
+        f"--trainer.callbacks.path={marker}",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    run = subprocess.Popen([sys.executable, "-m", "draftsmith.train", *args], cwd=ROOT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and run.poll() is None:
+        if marker.is_file() and marker.read_text().strip() and int(marker.read_text()) >= 5:
+            run.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    assert run.wait(timeout=60) == -signal.SIGKILL
+    ckpt = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)
+    assert ckpt["epoch"] == 0 and 4 <= ckpt["global_step"] < 12  # mid-epoch 0, streaming
     StreamDir(dest).reset()
-    resume = f"--ckpt_path={tmp_path / 'run' / 'ckpt' / 'last.ckpt'}"
-    assert fit(dest, tmp_path / "run", *every, resume) == 0
+    assert fit(dest, out, *every, f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}") == 0
     producer.join(timeout=10)
-    assert_same(head(tmp_path / "run"), head(offline))
+    assert_same(head(out), head(offline))
 
 
 def test_a_producer_that_dies_ends_the_run_in_one_line(source, tmp_path, capfd):

@@ -139,7 +139,7 @@ class ShardBatches(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         self.epoch = self.current_epoch()
         skip, self.skip, self.done, self.read = self.skip, 0, [], set()
-        yielded = 0
+        covered = 0  # batches of this epoch yielded or skipped (trained before a resume)
         mine = self.plan.shards
         for pos, index in enumerate(mine):
             info = self._sidecar_or_wait(index, mine[pos:], need_file=False)
@@ -147,15 +147,16 @@ class ShardBatches(IterableDataset):
             if skip >= n:  # trained before the checkpoint this run resumed from
                 skip -= n
                 self.done.append((index, n))
-                yielded += n
+                covered += n
                 continue
             info = self._sidecar_or_wait(index, mine[pos:], need_file=True)
+            covered += skip
             for batch in self._shard(index, info, start=skip):
-                yielded += 1
+                covered += 1
                 yield batch
             skip = 0
             self.done.append((index, n))
-        for _ in range(self._rank_padding(yielded)):
+        for _ in range(self._rank_padding(covered) - skip):  # skip: padding trained already
             yield self._empty()
         if self.streams is not None:
             self._epoch_line(len(mine))
