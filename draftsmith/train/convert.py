@@ -1,13 +1,17 @@
-"""`draftsmith convert`: a published EAGLE-3 head, in any common layout, for a named consumer.
+"""`draftsmith convert`: a published EAGLE-3 or EAGLE-1 head, in any common layout, for a
+named consumer.
 
     draftsmith convert --head yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --to sglang \\
         --output outputs/heads/llama-eagle3-sglang --model meta-llama/Llama-3.1-8B-Instruct
 
-The head is read by ``drafters/eagle3/layouts.py`` (EAGLE, speculators, ModelOpt, SGLang /
-SpecForge or ours) and written by ``drafters/eagle3/layouts_write.py`` in the names and
-config keys the consumer's loader reads. ``--model`` checks the head against the target
-(hidden size, vocabulary, tapped layers, vocabulary map) and gives the default taps
-``[2, N // 2, N - 3]`` to a head that names none. The serving command is printed.
+The kind is told by the files (``eagle1_layout``). An EAGLE-3 head is read by
+``drafters/eagle3/layouts.py`` (EAGLE, speculators, ModelOpt, SGLang / SpecForge or ours) and
+written by ``drafters/eagle3/layouts_write.py``; an EAGLE-1 head by ``drafters/eagle1/layouts.py``
+(SafeAILab EAGLE, SGLang or ours) and ``drafters/eagle1/layouts_write.py`` (vllm, sglang,
+eagle), each in the names and config keys the consumer's loader reads. ``--model`` checks the
+head against the target (hidden size, vocabulary, shipped embeddings; for EAGLE-3 also tapped
+layers and vocabulary map) and gives the default taps ``[2, N // 2, N - 3]`` to an EAGLE-3
+head that names none. The serving command is printed.
 """
 
 from __future__ import annotations
@@ -23,24 +27,30 @@ from draftsmith.core.config import parse_config
 from draftsmith.core.console import say
 from draftsmith.core.errors import exit_code
 from draftsmith.core.outputs import check_output
-from draftsmith.core.targets import read_target
-from draftsmith.drafters.eagle3.layouts import HeadFacts, fit_to_target, read_head
-from draftsmith.drafters.eagle3.layouts_write import CARD_MARK, serve_command, write_head
-from draftsmith.drafters.headfiles import HeadError
+from draftsmith.core.targets import TargetInfo, read_target
+from draftsmith.drafters.eagle1.layouts import eagle1_layout, fit_eagle1, read_eagle1
+from draftsmith.drafters.eagle1.layouts_write import serve_command as eagle1_command
+from draftsmith.drafters.eagle1.layouts_write import write_eagle1
+from draftsmith.drafters.eagle3.layouts import fit_to_target, read_head
+from draftsmith.drafters.eagle3.layouts_write import serve_command, write_head
+from draftsmith.drafters.headfiles import CARD_MARK, HeadError
+from draftsmith.drafters.headread import HeadFacts, read_head_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
 class ConvertConfig:
-    """Read an EAGLE-3 head in any common layout and write it for one consumer."""
+    """Read an EAGLE-3 or EAGLE-1 head in any common layout and write it for one consumer."""
 
     head: str
-    """The head directory (config.json and *.safetensors or pytorch_model.bin), in the
-    SafeAILab EAGLE, speculators, ModelOpt, SGLang / SpecForge or draftsmith layout."""
+    """The head directory (config.json and *.safetensors or pytorch_model.bin). EAGLE-3: the
+    SafeAILab EAGLE, speculators, ModelOpt, SGLang / SpecForge or draftsmith layout. EAGLE-1:
+    the SafeAILab EAGLE, SGLang or draftsmith layout."""
     to: Literal["vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators"]
     """The consumer: vllm, vllm-ascend (vllm's files, Ascend's limits checked), sglang,
-    trtllm (also Dynamo), eagle (SafeAILab EAGLE), speculators (``vllm serve DIR`` alone)."""
+    trtllm (also Dynamo), eagle (SafeAILab EAGLE), speculators (``vllm serve DIR`` alone).
+    EAGLE-1 heads: vllm, sglang and eagle."""
     output: str
     """Directory to write: config.json, model.safetensors, README.md. A directory convert
     wrote is replaced; anything else is refused."""
@@ -81,10 +91,13 @@ def check_parallelism(cfg: ConvertConfig) -> None:
 
 def convert(cfg: ConvertConfig) -> tuple[Path, HeadFacts, str]:
     """Read, check and write the head: (the written directory, the head's facts, the
-    target the serving command names)."""
+    command that serves it)."""
     check_parallelism(cfg)
     target = read_target(cfg.model) if cfg.model else None
-    head, facts = read_head(Path(cfg.head), target.config if target else None)
+    files = read_head_files(cfg.head)
+    if eagle1_layout(*files) is not None:
+        return convert_eagle1(cfg, target, files)
+    head, facts = read_head(Path(cfg.head), target.config if target else None, files)
     if target is not None:
         fit_to_target(head, facts, target)
         target_config, verifier = target.config, target.path
@@ -118,16 +131,43 @@ def convert(cfg: ConvertConfig) -> tuple[Path, HeadFacts, str]:
         dtype=dtype,
         target_layers=target is not None,
     )
-    return out, facts, verifier
+    tp = (cfg.tensor_parallel_size, cfg.draft_tensor_parallel_size)
+    return out, facts, serve_command(cfg.to, out, verifier, facts, cfg.num_speculative_tokens, tp)
+
+
+def convert_eagle1(
+    cfg: ConvertConfig, target: TargetInfo | None, files: tuple
+) -> tuple[Path, HeadFacts, str]:
+    """``convert`` for an EAGLE-1 head: it taps no layers and ships no lm_head, so it needs
+    no target (one given is checked against)."""
+    head, facts = read_eagle1(cfg.head, files)
+    fit_eagle1(head, facts, target)
+    if target is not None:
+        target_config, verifier = target.config, target.path
+    else:
+        target_config = {
+            "vocab_size": head.vocab_size,
+            "hidden_size": head.hidden_size,
+            "max_position_embeddings": head.init_kwargs["max_position_embeddings"],
+        }
+        verifier = facts.verifier or "TARGET"
+    k, tp = cfg.num_speculative_tokens, (cfg.tensor_parallel_size, cfg.draft_tensor_parallel_size)
+    dtype = facts.dtype if cfg.dtype == "source" else DTYPES[cfg.dtype]
+    out = write_eagle1(
+        head, facts, cfg.to, Path(cfg.output), target_config,
+        verifier=verifier, num_speculative_tokens=k, dtype=dtype, tp=tp,
+    )  # fmt: skip
+    return out, facts, eagle1_command(cfg.to, out, verifier, k, tp)
 
 
 def run_stage(cfg: ConvertConfig) -> int:
     check_output(cfg.output, "output", converted_dir, overwrite=cfg.overwrite)
-    out, facts, verifier = convert(cfg)
+    out, facts, command = convert(cfg)
     taps = f"{facts.layer_ids}" + (" (defaulted)" if facts.layer_ids_defaulted else "")
-    say(f"converted: {facts.layout} head -> {cfg.to} at {out} (taps {taps})")
-    tp = (cfg.tensor_parallel_size, cfg.draft_tensor_parallel_size)
-    print(serve_command(cfg.to, out, verifier, facts, cfg.num_speculative_tokens, tp))
+    if facts.kind == "EAGLE-1":
+        taps = "none: EAGLE-1 reads the target's final state"
+    say(f"converted: {facts.kind} {facts.layout} head -> {cfg.to} at {out} (taps {taps})")
+    print(command)
     return 0
 
 

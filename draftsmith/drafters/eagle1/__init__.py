@@ -3,6 +3,8 @@ fused by ``fc``, then Llama layers; logits from the target's own lm_head.
 
 - ``head.py``: the head, weight for weight vLLM's ``EagleLlamaForCausalLM``.
 - ``export.py``: the directory vLLM serves (``vllm serve DIR``).
+- ``layouts.py`` / ``layouts_write.py``: published EAGLE-1 heads read and written for each
+  consumer (``draftsmith convert``).
 
 The objective is training-time test (``ttt_objective.py``) as in EAGLE-3, plus the EAGLE
 paper's smooth-L1 regression of each step's output on the target's next (final-normed) state.
@@ -22,7 +24,12 @@ from draftsmith.core.errors import DatasetError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.acceptance import step_validity
 from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.eagle1.export import eagle1_config, eagle1_tensors, export_eagle1
+from draftsmith.drafters.eagle1.export import (
+    check_eagle1_head,
+    eagle1_config,
+    eagle1_tensors,
+    export_eagle1,
+)
 from draftsmith.drafters.eagle1.head import Eagle1Head, eagle1_from_target
 from draftsmith.drafters.loss import TTTLoss
 from draftsmith.drafters.options import TTTOptions
@@ -48,7 +55,9 @@ class Eagle1(Drafter):
     name = "eagle"
     title = "EAGLE-1"
     Options = Eagle1Options
-    methods = {"eagle": ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle")}
+    # LlamaForCausalLM: SafeAILab's layout, served with an explicit --method eagle only (a
+    # whole Llama model reads the same); method_of never guesses it.
+    methods = {"eagle": ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLM")}
     head_class = Eagle1Head
     options: Eagle1Options
 
@@ -89,6 +98,15 @@ class Eagle1(Drafter):
 
     def walk_length(self) -> int:
         return self.options.ttt_steps
+
+    @classmethod
+    def method_of(cls, config: dict[str, Any]) -> str | None:
+        arch = (config.get("architectures") or ["?"])[0]
+        return None if arch == "LlamaForCausalLM" else super().method_of(config)
+
+    @classmethod
+    def check_head(cls, head, method, config, shapes, target) -> None:
+        check_eagle1_head(head, config, shapes)
 
     @classmethod
     def head_from_target(cls, target_config: dict[str, Any], **head_options: Any):

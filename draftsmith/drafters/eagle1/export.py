@@ -19,6 +19,7 @@ from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.eagle1.head import Eagle1Head
 from draftsmith.drafters.headfiles import (
+    HeadError,
     llama_head_fields,
     speculators_card,
     speculators_fields,
@@ -74,3 +75,15 @@ def export_eagle1(
         (tmp / "README.md").write_text(card_md)
 
     return write_head_dir(out_dir, write)
+
+
+def check_eagle1_head(head: str, config: dict[str, Any], shapes: dict[str, list[int]]) -> None:
+    """Refuse a directory that is no EAGLE-1 head (``fc`` over [embedding, target state]):
+    a whole model passed as the head, or an EAGLE-3 one, would fail deep inside vLLM."""
+    hidden = config.get("hidden_size")
+    fc = shapes.get("fc.weight")
+    if hidden is None or fc != [hidden, 2 * hidden]:
+        raise HeadError(
+            f"head: {head} fc.weight is {fc}, expected [{hidden}, 2 x {hidden}]: an EAGLE-1 "
+            "head fuses the token embedding with the target's final state"
+        )

@@ -19,6 +19,10 @@ class Eagle1Head(LlamaDraftHead):
 
     State-dict keys: ``fc.weight`` [H, 2H], ``layers.{i}.*`` (``layers.0`` without
     ``input_layernorm``). ``embed_tokens`` and ``lm_head`` are frozen, unsaved target buffers.
+
+    ``fc_bias`` is for published heads only: SafeAILab's EAGLE-1 ``fc`` has a bias
+    (``eagle/model/cnets1.py``, config ``bias``, true when absent); vLLM's has none, and
+    ``convert --to vllm`` folds it into the first layer's attention biases (``layouts_write``).
     """
 
     def __init__(
@@ -36,9 +40,10 @@ class Eagle1Head(LlamaDraftHead):
         rope_scaling: dict[str, Any] | None = None,
         max_position_embeddings: int = 2048,
         attention_bias: bool = False,
+        fc_bias: bool = False,
     ) -> None:
         super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
-        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList(
             DecoderLayer(i, **self.layer_kwargs, input_norm=i > 0) for i in range(num_layers)
         )

@@ -22,46 +22,23 @@ taps once the target is known, recorded as ``layer_ids_defaulted``.
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.headfiles import HeadError
+from draftsmith.drafters.headread import HeadFacts, check_shipped_embeddings, read_head_files
 from draftsmith.drafters.llama import target_sizes
 from draftsmith.drafters.target_weights import load_target_weights
 
 LAYOUTS = ("draftsmith", "eagle", "speculators", "modelopt", "sglang")
 DROPPED = ("t2d",)
 EMBED = "embed_tokens.weight"
-
-
-@dataclass
-class HeadFacts:
-    """What a head's files say beyond its weights."""
-
-    layout: str
-    source: str
-    layer_ids: list[int] | None
-    """Tapped target layers (vLLM's meaning); None until a target gives the default."""
-    layer_ids_defaulted: bool = False
-    """True when the source named no ids and the default ``[2, N // 2, N - 3]`` was used."""
-    verifier: str | None = None
-    """The target the source names (speculators ``verifier.name_or_path``), if any."""
-    lm_head_from_target: bool = False
-    """The source shipped no ``lm_head``: its rows were taken from the target's."""
-    dtype: torch.dtype = torch.bfloat16
-    embed_tokens: Tensor | None = None
-    """Embeddings the source shipped (dropped: every consumer here shares the target's;
-    ``fit_to_target`` refuses them when they differ from the target's)."""
-    notes: list[str] = field(default_factory=list)
 
 
 def detect_layout(config: dict[str, Any], names: list[str] | set[str]) -> str:
@@ -83,27 +60,13 @@ def detect_layout(config: dict[str, Any], names: list[str] | set[str]) -> str:
         return "eagle"
     if arch == "LlamaForCausalLM" and layers0:
         raise HeadError(
-            "head: an EAGLE-1 head (LlamaForCausalLM, layers.0.*, fc 2H -> H); EAGLE-1 "
-            "conversion is not supported yet (convert reads EAGLE-3 heads)."
+            "head: an EAGLE-1 head (LlamaForCausalLM, layers.0.*, fc 2H -> H), not an EAGLE-3 "
+            "one (drafters/eagle1/layouts.py reads it; `draftsmith convert` reads both)."
         )
     raise HeadError(
         f"head: architecture {arch!r} with tensors {sorted(names)[:3]}... is no EAGLE-3 "
         f"layout convert knows ({', '.join(LAYOUTS)})."
     )
-
-
-def read_tensors(head_dir: Path) -> dict[str, Tensor]:
-    """Every tensor of a head directory: ``*.safetensors``, else ``pytorch_model.bin``."""
-    files = sorted(head_dir.glob("*.safetensors"))
-    tensors: dict[str, Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
-    if not files:
-        binary = head_dir / "pytorch_model.bin"
-        if not binary.is_file():
-            raise HeadError(f"head: {head_dir} has no *.safetensors and no pytorch_model.bin")
-        tensors = torch.load(binary, map_location="cpu", weights_only=True)
-    return tensors
 
 
 def rename(tensors: dict[str, Tensor], num_layers: int) -> dict[str, Tensor]:
@@ -134,17 +97,15 @@ def _flag(config: dict[str, Any], key: str, default: bool = False) -> bool:
 
 
 def read_head(
-    head_dir: str | Path, target_config: dict[str, Any] | None = None
+    head_dir: str | Path,
+    target_config: dict[str, Any] | None = None,
+    files: tuple[dict[str, Any], dict[str, Tensor]] | None = None,
 ) -> tuple[Eagle3Head, HeadFacts]:
     """The head in ``head_dir`` (any ``LAYOUTS`` layout) and its facts. ``target_config``
     fills what the head leaves to the target (default taps); checks against the target
-    are ``check_against_target``'s."""
+    are ``fit_to_target``'s. ``files``: its (config, tensors) when already read."""
     head_dir = Path(head_dir)
-    config_file = head_dir / "config.json"
-    if not config_file.is_file():
-        raise HeadError(f"head: {head_dir} has no config.json")
-    config = json.loads(config_file.read_text())
-    raw = read_tensors(head_dir)
+    config, raw = files or read_head_files(head_dir)
     layout = detect_layout(config, set(raw))
     layer = layer_config(config, layout)
     sizes = target_sizes(layer)
@@ -257,17 +218,7 @@ def fit_to_target(head: Eagle3Head, facts: HeadFacts, target: TargetInfo) -> Non
         raise HeadError(
             f"head: fc reads {k['num_aux_states']} target states but {how} {ids} are {len(ids)}"
         )
-    weights = None
-    if facts.embed_tokens is not None:
-        weights = load_target_weights(target)
-        mine, theirs = facts.embed_tokens.float(), weights.embed.float()
-        # equal up to dtype rounding (a bf16 target's table saved in fp16 stays equal)
-        if mine.shape != theirs.shape or not torch.allclose(mine, theirs, 1e-2, 1e-4):
-            raise HeadError(
-                "head: ships embed_tokens that differ from the target's; the consumers "
-                "convert writes for share the target's, so it would serve another model"
-            )
-        facts.notes.append("embed_tokens dropped: equal to the target's, which is shared")
+    weights = check_shipped_embeddings(facts, target)
     if facts.lm_head_from_target:
         rows = (weights or load_target_weights(target)).lm_head
         ids_t = head.draft_to_target(torch.arange(head.draft_vocab_size))

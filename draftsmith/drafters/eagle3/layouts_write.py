@@ -39,17 +39,17 @@ from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import text_config
 from draftsmith.drafters.eagle3.export import eagle3_config, eagle3_tensors
 from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.eagle3.layouts import HeadFacts
 from draftsmith.drafters.headfiles import (
+    CARD_MARK,
     HeadError,
     llama_head_fields,
     speculators_fields,
     write_head_dir,
 )
+from draftsmith.drafters.headread import HeadFacts
 
 CONSUMERS = ("vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators")
 ASCEND_MAX_TOKENS = 16  # num_speculative_tokens + 1 (the limit; not verified here)
-CARD_MARK = "Converted by `draftsmith convert`"
 
 
 def limits(

@@ -1,0 +1,91 @@
+"""What reading a published head directory shares, whatever its kind (``convert``,
+``model.init_from``).
+
+- ``read_head_files``: ``config.json`` and every tensor (``*.safetensors``, else
+  ``pytorch_model.bin``), refused in one line when either is missing.
+- ``HeadFacts``: what a head's files say beyond its weights (layout, taps, verifier, dtype,
+  shipped embeddings, notes for the model card).
+- ``check_shipped_embeddings``: a head that ships ``embed_tokens`` must ship the target's:
+  every consumer convert writes for shares the target's table.
+
+Each kind's ``layouts.py`` turns the files into its head; no kind imports another.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from draftsmith.core.targets import TargetInfo
+from draftsmith.drafters.headfiles import HeadError
+from draftsmith.drafters.target_weights import TargetWeights, load_target_weights
+
+
+@dataclass
+class HeadFacts:
+    """What a head's files say beyond its weights."""
+
+    layout: str
+    source: str
+    layer_ids: list[int] | None
+    """Tapped target layers (vLLM's meaning); None until a target gives the default, and
+    always None for EAGLE-1 (it reads the target's final state)."""
+    layer_ids_defaulted: bool = False
+    """True when the source named no ids and the default ``[2, N // 2, N - 3]`` was used."""
+    verifier: str | None = None
+    """The target the source names (speculators ``verifier.name_or_path``), if any."""
+    lm_head_from_target: bool = False
+    """The source shipped no ``lm_head``: its rows were taken from the target's."""
+    dtype: torch.dtype = torch.bfloat16
+    embed_tokens: Tensor | None = None
+    """Embeddings the source shipped (dropped: every consumer here shares the target's;
+    ``check_shipped_embeddings`` refuses them when they differ from the target's)."""
+    notes: list[str] = field(default_factory=list)
+    kind: str = "EAGLE-3"
+    """The head's kind as the model card names it (EAGLE-3, EAGLE-1)."""
+
+
+def read_tensors(head_dir: Path) -> dict[str, Tensor]:
+    """Every tensor of a head directory: ``*.safetensors``, else ``pytorch_model.bin``."""
+    files = sorted(head_dir.glob("*.safetensors"))
+    tensors: dict[str, Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    if not files:
+        binary = head_dir / "pytorch_model.bin"
+        if not binary.is_file():
+            raise HeadError(f"head: {head_dir} has no *.safetensors and no pytorch_model.bin")
+        tensors = torch.load(binary, map_location="cpu", weights_only=True)
+    return tensors
+
+
+def read_head_files(head_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(``config.json``, every tensor) of a head directory."""
+    head_dir = Path(head_dir)
+    config_file = head_dir / "config.json"
+    if not config_file.is_file():
+        raise HeadError(f"head: {head_dir} has no config.json")
+    return json.loads(config_file.read_text()), read_tensors(head_dir)
+
+
+def check_shipped_embeddings(facts: HeadFacts, target: TargetInfo) -> TargetWeights | None:
+    """Refuse shipped ``embed_tokens`` that differ from ``target``'s (equal up to dtype
+    rounding: a bf16 target's table saved in fp16 stays equal); note their drop otherwise.
+    Returns the target's weights when they had to be read, else None."""
+    if facts.embed_tokens is None:
+        return None
+    weights = load_target_weights(target)
+    mine, theirs = facts.embed_tokens.float(), weights.embed.float()
+    if mine.shape != theirs.shape or not torch.allclose(mine, theirs, 1e-2, 1e-4):
+        raise HeadError(
+            "head: ships embed_tokens that differ from the target's; the consumers "
+            "convert writes for share the target's, so it would serve another model"
+        )
+    facts.notes.append("embed_tokens dropped: equal to the target's, which is shared")
+    return weights
