@@ -169,8 +169,12 @@ def serve_command(
             f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} "
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
         )
-    # eagle/application/webui.py passes use_eagle3=args.no_eagle3: EAGLE-1 runs without it
-    return f"python -m eagle.application.webui --ea-model-path {out_dir} --base-model-path {target}"
+    # eagle/application/webui.py (commit 1fd3021) builds EaModel with
+    # use_eagle3=(not args.no_eagle3): EAGLE-1 needs --no-eagle3
+    return (
+        f"python -m eagle.application.webui --ea-model-path {out_dir} "
+        f"--base-model-path {target} --no-eagle3"
+    )
 
 
 def write_eagle1(
