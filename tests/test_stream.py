@@ -22,6 +22,7 @@ import torch
 
 from draftsmith.core.files import write_json_atomic
 from draftsmith.dataset.stream import StreamDir, shard_file, sidecar_file
+from draftsmith.evaluate.overlap import check_overlap
 from draftsmith.train.main import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,6 +129,8 @@ def test_streamed_run_trains_the_offline_head_within_the_bound(source, offline, 
     assert_same(head(tmp_path / "run"), head(offline))
     assert producer.high_water <= 2
     assert sorted(producer.written) == list(range(6))  # keep: the first epoch captured all
+    summary = check_overlap(str(dest), {"set": [("p0", list(range(8)))]}, 4, 0.5)
+    assert summary["train_samples"] == 24 and summary["train_shards_unchecked"] == 0
     ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)
     position = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert position["epoch"] == 1 and position["shards_done"] == list(range(6))
@@ -158,6 +161,9 @@ def test_drop_trains_each_shard_once(source, tmp_path):
     assert ckpt["epoch"] == 0 or ckpt["epoch"] == 1  # ended after the first pass
     assert sorted(producer.written) == list(range(6))
     assert not any(dest.glob("shard-*.safetensors"))
+    # The evaluation's overlap guard reads what is left, and says what it could not check.
+    summary = check_overlap(str(dest), {"set": [("p0", list(range(8)))]}, 4, 0.5)
+    assert summary["train_samples"] == 0 and summary["train_shards_unchecked"] == 6
 
 
 def test_sigkilled_trainer_resumes_to_the_uninterrupted_head(source, offline, tmp_path):

@@ -86,6 +86,9 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         user_ids = user_turn_ids(tokenizer, chats, sample_ids)
         overlap = check_overlap(cfg.train_data, user_ids, cfg.overlap_ngram, cfg.overlap_threshold)
         say(f"eval: no prompt overlaps the training data ({overlap['max_containment']})")
+        if gone := overlap["train_shards_unchecked"]:
+            say(f"eval: {gone} streamed training shards were deleted after use (policy "
+                "drop or recapture) and could not be checked")  # fmt: skip
     longest = max(len(p) for ps in prompts.values() for p in ps)
     kwargs = engine_kwargs(target.path, cfg.engine, longest + cfg.max_tokens + 8)
     kwargs.pop("model")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -118,9 +119,7 @@ def check_overlap(
     threshold: float,
 ) -> dict:
     """Raise ``OverlapError`` naming every overlapping prompt; else a summary for results.json."""
-    from draftsmith.dataset import open_dataset
-
-    dataset = open_dataset(train_data)
+    dataset, unchecked = _training_samples(train_data)
     matches, scores = find_overlap(eval_prompts, dataset.token_ids(), ngram, threshold)
     if matches:
         lines = [
@@ -139,7 +138,26 @@ def check_overlap(
     return {
         "train_data": train_data,
         "train_samples": len(dataset),
+        "train_shards_unchecked": unchecked,
         "ngram": ngram,
         "threshold": threshold,
         "max_containment": {name: round(max(s, default=0.0), 4) for name, s in scores.items()},
     }
+
+
+def _training_samples(train_data: str):
+    """(the training dataset's samples on disk, shards trained but no longer on disk). A
+    streamed dataset (``stream/``) is read as far as it was written; under the policies
+    ``drop`` and ``recapture`` its shards were deleted after use and cannot be checked."""
+    import json
+
+    from draftsmith.dataset import HiddenStatesDataset, open_dataset
+    from draftsmith.dataset.stream import STREAM_DIR
+
+    root = Path(train_data)
+    if not (root / STREAM_DIR).is_dir():
+        return open_dataset(train_data), 0
+    listed = json.loads((root / "manifest.json").read_text())["shards"]
+    present = [info for info in listed if (root / info["file"]).is_file()]
+    dataset = HiddenStatesDataset(root, check_shards=False, shard_infos=present)
+    return dataset, len(listed) - len(present)
