@@ -54,6 +54,45 @@ def write_head_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:
     return out_dir
 
 
+def vllm_serve_command(
+    method: str, out_dir: Path, target: str, k: int, tp: tuple[int, int | None] = (1, None)
+) -> str:
+    """``vllm serve`` of ``target`` drafting with the head in ``out_dir`` (``tp``: the
+    target's and the draft's tensor parallelism; the draft's is 1 or the target's)."""
+    spec: dict[str, Any] = {"method": method, "model": str(out_dir)}
+    extra = ""
+    if tp[0] > 1:
+        spec["draft_tensor_parallel_size"] = tp[1] or tp[0]
+        extra = f" --tensor-parallel-size {tp[0]}"
+    spec["num_speculative_tokens"] = k
+    return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'"
+
+
+def sglang_serve_command(algorithm: str, out_dir: Path, target: str, k: int) -> str:
+    """SGLang's server with the head as a chain of ``k`` drafts (top-1 per step)."""
+    return (
+        f"python -m sglang.launch_server --model {target} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+    )
+
+
+def write_converted(
+    out_dir: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], card: str
+) -> Path:
+    """A converted head's directory, atomically: model.safetensors, config.json, README.md."""
+    from safetensors.torch import save_file
+
+    from draftsmith.core.files import write_json_atomic
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
+        write_json_atomic(tmp / "config.json", config)
+        (tmp / "README.md").write_text(card + "\n")
+
+    return write_head_dir(out_dir, write)
+
+
 def state_tensors(
     head: nn.Module, dtype: torch.dtype, skip: tuple[str, ...] = ()
 ) -> dict[str, torch.Tensor]:

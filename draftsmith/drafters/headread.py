@@ -89,3 +89,19 @@ def check_shipped_embeddings(facts: HeadFacts, target: TargetInfo) -> TargetWeig
         )
     facts.notes.append("embed_tokens dropped: equal to the target's, which is shared")
     return weights
+
+
+def check_tensors(layout: str, expected: dict[str, Tensor], found: dict[str, Tensor]) -> None:
+    """Refuse, in one line, a head whose tensor names or shapes differ from what its
+    config builds (``expected``: the built head's state)."""
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or extra:
+        raise HeadError(
+            f"head: {layout} layout, but tensors {missing[:4]} are missing and "
+            f"{extra[:4]} are unknown"
+        )
+    for name, value in found.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise HeadError(
+                f"head: {name} is {list(value.shape)}, the config says {list(expected[name].shape)}"
+            )

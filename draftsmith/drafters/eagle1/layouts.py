@@ -28,7 +28,7 @@ from torch import Tensor
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.eagle1.head import Eagle1Head
 from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.headread import HeadFacts, check_shipped_embeddings
+from draftsmith.drafters.headread import HeadFacts, check_shipped_embeddings, check_tensors
 from draftsmith.drafters.llama import target_sizes
 
 LAYOUTS = ("draftsmith", "eagle", "sglang")
@@ -115,18 +115,7 @@ def read_eagle1(
         attention_bias=attention_bias,
         fc_bias="fc.bias" in tensors,
     )
-    state = head.state_dict()
-    missing, extra = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
-    if missing or extra:
-        raise HeadError(
-            f"head: {layout} layout, but tensors {missing[:4]} are missing and "
-            f"{extra[:4]} are unknown"
-        )
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(state[name].shape):
-            raise HeadError(
-                f"head: {name} is {list(value.shape)}, the config says {list(state[name].shape)}"
-            )
+    check_tensors(layout, head.state_dict(), tensors)
     head.load_state_dict({k: v.float() for k, v in tensors.items()})
     return head, facts
 

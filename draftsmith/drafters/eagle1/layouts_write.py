@@ -23,22 +23,21 @@ Every other consumer is refused in one line naming the one to use.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from draftsmith.core.files import write_json_atomic
 from draftsmith.drafters.eagle1.export import eagle1_config, eagle1_tensors
 from draftsmith.drafters.eagle1.head import Eagle1Head
 from draftsmith.drafters.headfiles import (
     CARD_MARK,
     HeadError,
     llama_head_fields,
+    sglang_serve_command,
     state_tensors,
-    write_head_dir,
+    vllm_serve_command,
+    write_converted,
 )
 from draftsmith.drafters.headread import HeadFacts
 from draftsmith.drafters.layers import rope_kind
@@ -156,19 +155,9 @@ def serve_command(
     """The command that serves the written head with ``target`` (``tp``: the target's and
     the draft's tensor parallelism, for vLLM)."""
     if consumer == "vllm":
-        spec: dict[str, Any] = {"method": "eagle", "model": str(out_dir)}
-        extra = ""
-        if tp[0] > 1:
-            spec["draft_tensor_parallel_size"] = tp[1] or tp[0]
-            extra = f" --tensor-parallel-size {tp[0]}"
-        spec["num_speculative_tokens"] = k
-        return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'"
+        return vllm_serve_command("eagle", out_dir, target, k, tp)
     if consumer == "sglang":
-        return (
-            f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE "
-            f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-        )
+        return sglang_serve_command("EAGLE", out_dir, target, k)
     # eagle/application/webui.py (commit 1fd3021) builds EaModel with
     # use_eagle3=(not args.no_eagle3): EAGLE-1 needs --no-eagle3
     return (
@@ -205,10 +194,4 @@ def write_eagle1(
             f"Serve it:\n\n```bash\n{command}\n```",
         ]
     )
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
-        write_json_atomic(tmp / "config.json", config)
-        (tmp / "README.md").write_text(card + "\n")
-
-    return write_head_dir(out_dir, write)
+    return write_converted(out_dir, tensors, config, card)

@@ -32,7 +32,12 @@ from torch import Tensor
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.headread import HeadFacts, check_shipped_embeddings, read_head_files
+from draftsmith.drafters.headread import (
+    HeadFacts,
+    check_shipped_embeddings,
+    check_tensors,
+    read_head_files,
+)
 from draftsmith.drafters.llama import target_sizes
 from draftsmith.drafters.target_weights import load_target_weights
 
@@ -173,19 +178,7 @@ def read_head(
     if "lm_head.weight" not in tensors:
         facts.lm_head_from_target = True
         tensors["lm_head.weight"] = head.lm_head.weight.detach().clone()  # filled later
-    state = {k: v for k, v in head.state_dict().items() if k != "d2t"}
-    missing = sorted(set(state) - set(tensors))
-    extra = sorted(set(tensors) - set(state))
-    if missing or extra:
-        raise HeadError(
-            f"head: {layout} layout, but tensors {missing[:4]} are missing and "
-            f"{extra[:4]} are unknown"
-        )
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(state[name].shape):
-            raise HeadError(
-                f"head: {name} is {list(value.shape)}, the config says {list(state[name].shape)}"
-            )
+    check_tensors(layout, {k: v for k, v in head.state_dict().items() if k != "d2t"}, tensors)
     head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     if facts.layer_ids is None and target_config is not None:
         n = text_config(target_config)["num_hidden_layers"]

@@ -33,9 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import text_config
 from draftsmith.drafters.eagle3.export import eagle3_config, eagle3_tensors
 from draftsmith.drafters.eagle3.head import Eagle3Head
@@ -43,8 +41,10 @@ from draftsmith.drafters.headfiles import (
     CARD_MARK,
     HeadError,
     llama_head_fields,
+    sglang_serve_command,
     speculators_fields,
-    write_head_dir,
+    vllm_serve_command,
+    write_converted,
 )
 from draftsmith.drafters.headread import HeadFacts
 
@@ -175,23 +175,13 @@ def serve_command(
     """The command that serves the written head with ``target`` (``tp``: the target's and
     the draft's tensor parallelism, for vLLM)."""
     if consumer in ("vllm", "vllm-ascend"):
-        spec: dict[str, Any] = {"method": "eagle3", "model": str(out_dir)}
-        extra = ""
-        if tp[0] > 1:
-            spec["draft_tensor_parallel_size"] = tp[1] or tp[0]
-            extra = f" --tensor-parallel-size {tp[0]}"
-        spec["num_speculative_tokens"] = k
-        return f"vllm serve {target}{extra} --speculative-config '{json.dumps(spec)}'"
+        return vllm_serve_command("eagle3", out_dir, target, k, tp)
     if consumer == "speculators":
         return f"vllm serve {out_dir}"
     if consumer == "sglang":
-        return (
-            f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {out_dir} --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
-        )
+        return sglang_serve_command("EAGLE3", out_dir, target, k)
     if consumer == "trtllm":
-        spec = {
+        spec: dict[str, Any] = {
             "decoding_type": "Eagle",
             "max_draft_len": k,
             "speculative_model_dir": str(out_dir),
@@ -241,10 +231,4 @@ def write_head(
             f"Serve it:\n\n```bash\n{command}\n```",
         ]
     )
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
-        write_json_atomic(tmp / "config.json", config)
-        (tmp / "README.md").write_text(card + "\n")
-
-    return write_head_dir(out_dir, write)
+    return write_converted(out_dir, tensors, config, card)
