@@ -69,3 +69,21 @@ def avoid_busy_cores(
     shown = ", ".join(f"{c} ({load[c]:.0%})" for c in busy)
     which = "cores" if len(busy) > 1 else "core"
     return f"{which} {shown} busy with another process: compute threads on {free} only"
+
+
+def allowed_cores() -> set[int]:
+    """The cores this process may run on (all of them where affinity is not supported)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def producer_cores(cores: set[int] | None = None) -> set[int] | None:
+    """The cores a streamed run's producer gets beside its trainer on one CPU machine: the
+    upper half of ``cores`` (this process's, by default); None on a single core. The trainer
+    keeps the rest while the producer writes and takes all of them while it waits
+    (``draftsmith.train.share_cores``)."""
+    ordered = sorted(allowed_cores() if cores is None else cores)
+    if len(ordered) < 2:
+        return None
+    return set(ordered[len(ordered) // 2 :])

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from draftsmith.core.cores import allowed_cores
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import write_json_atomic
 
@@ -197,10 +198,22 @@ class StreamDir:
             "worker": worker,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "cores": sorted(allowed_cores()),
             "time": time.time(),
             **stats,
         }
         write_json_atomic(self.dir / f"producer-w{worker}.json", body)
+
+    def busy_cores(self, fresh: float = 300.0) -> set[int]:
+        """The cores of this machine that producers are computing on now: those of every
+        producer on this host whose last heartbeat (under ``fresh`` s old) says it is not
+        waiting for the trainer."""
+        host, now, cores = socket.gethostname(), time.time(), set()
+        for p in self.producers():
+            idle = str(p.get("state", "")).startswith(("waiting", "finished"))
+            if p.get("host") == host and now - p.get("time", 0.0) < fresh and not idle:
+                cores.update(p.get("cores", []))
+        return cores
 
     def fail(self, error: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

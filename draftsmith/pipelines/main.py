@@ -36,6 +36,7 @@ from typing import Any
 
 from draftsmith.core.config import parse_section
 from draftsmith.core.console import say, stage_log
+from draftsmith.core.cores import producer_cores
 from draftsmith.core.engine import shared_engines
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
@@ -219,8 +220,10 @@ def _start_streaming(plan: Plan, configs: dict[str, Any], state: dict, entry: di
         with stage_log(d / "extract.log"), shared_engines():
             _validation_set(plan, configs)
     record(d, plan.section("extract"))
-    producer = Producer(d)
-    producer.start()
+    import torch
+
+    producer = Producer(d)  # on a CPU machine, on half its cores (train/share_cores.py)
+    producer.start(None if torch.cuda.is_available() else producer_cores())
     seconds = round(plan.validation_seconds, 1)  # the producer's own time overlaps training
     state["stages"]["extract"] = {**entry, "status": "streaming", "seconds": seconds}
     return producer

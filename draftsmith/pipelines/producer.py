@@ -31,7 +31,8 @@ class Producer:
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
 
-    def start(self) -> None:
+    def start(self, cores: set[int] | None = None) -> None:
+        """Start it, on ``cores`` only when given (a CPU machine it shares with training)."""
         StreamDir(self.dataset).reset()
         command = [
             sys.executable, "-m", "draftsmith.cli", "extract",
@@ -39,11 +40,14 @@ class Producer:
         ]  # fmt: skip
         log = (self.dataset / "producer.log").open("ab")
         # Its own process group: it and its engine's processes stop together.
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         self.proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin
         )
         self.started = time.monotonic()
-        say(f"pipeline: producer started (pid {self.proc.pid}; log {self.dataset}/producer.log)")
+        where = f"; cores {sorted(cores)}, training the rest while it writes" if cores else ""
+        say(f"pipeline: producer started (pid {self.proc.pid}{where}; log "
+            f"{self.dataset}/producer.log)")  # fmt: skip
 
     def stop(self) -> float:
         """Tell it training is over, wait for it, kill it if it hangs; its seconds."""

@@ -34,6 +34,7 @@ from draftsmith.core.outputs import CHECKPOINTS_OWN, TRAIN_ROOT_OWN, check_outpu
 from draftsmith.train.data import StatesDataModule
 from draftsmith.train.module import DraftModule, cli_signature
 from draftsmith.train.progress import ConsoleProgress
+from draftsmith.train.share_cores import ShareCores
 from draftsmith.train.strategies import GPU_ONLY, cpu_strategy, runs_on_cpu
 
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed")
@@ -91,6 +92,8 @@ class TrainCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if self.subcommand == "fit":
             trainer.callbacks.append(ConsoleProgress())
+            if config.data.stream and runs_on_cpu(config.trainer.accelerator):
+                trainer.callbacks.append(ShareCores(config.data.data))  # a producer beside it
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -127,7 +130,8 @@ class TrainCLI(LightningCLI):
                 f"data.data: {config.data.data} is not a directory; run `draftsmith extract` "
                 "first or point data.data at its output"
             )
-        if runs_on_cpu(config.trainer.accelerator) and strategy in ("auto", None):
+        streamed = bool(config.data.stream)  # ShareCores sets the threads then
+        if runs_on_cpu(config.trainer.accelerator) and strategy in ("auto", None) and not streamed:
             if note := avoid_busy_cores():  # one process: its threads keep off busy cores
                 torch.set_num_threads(len(os.sched_getaffinity(0)))
                 say(f"train: {note}")
