@@ -128,8 +128,8 @@ def test_a_stream_section_reaches_training_and_moves_both_addresses(tmp_path):
     assert streamed.dirs["train"] != offline.dirs["train"]
     assert streamed.section("train")["data"]["stream"] == {"shards": 3, "policy": "drop"}
     assert "stream" not in offline.section("train")["data"]
-    # The producer runs as long as training: no extraction time limit.
-    assert "time_limit" not in streamed.section("extract")
+    # The producer closes the data where offline extraction stops; training goes on.
+    assert streamed.section("extract")["time_limit"] == 360
     assert offline.section("extract")["time_limit"] == 360
     # Training gets both shares, less what the validation set took (it ran before).
     max_time, _ = train_time(streamed.cfg, extract_seconds=40.0)

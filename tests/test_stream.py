@@ -27,14 +27,14 @@ from draftsmith.train.main import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny.yaml"
+PROMPTS = [f"Say something short about item {i}." for i in range(24)]
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory, tiny_model_dir, make_hf_dataset) -> Path:
     """A finished dataset in extract's layout: 6 shards of 4, plan.json and sidecars."""
-    prompts = [f"Say something short about item {i}." for i in range(24)]
     out = make_hf_dataset(
-        tmp_path_factory.mktemp("src") / "ds", tiny_model_dir, prompts, samples_per_shard=4
+        tmp_path_factory.mktemp("src") / "ds", tiny_model_dir, PROMPTS, samples_per_shard=4
     )
     manifest = json.loads((out / "manifest.json").read_text())
     from draftsmith.dataset import open_dataset
@@ -52,11 +52,16 @@ def source(tmp_path_factory, tiny_model_dir, make_hf_dataset) -> Path:
 
 
 class Replay(threading.Thread):
-    """A producer that copies the source's shards into ``dest`` as the trainer asks."""
+    """A producer that copies the source's shards into ``dest`` as the trainer asks; with
+    ``close_after``, it closes the stream after that many shards, as a time limit does."""
 
-    def __init__(self, src: Path, dest: Path, die_after: int | None = None) -> None:
+    def __init__(
+        self, src: Path, dest: Path, die_after: int | None = None, close_after: int | None = None
+    ) -> None:
         super().__init__(daemon=True)
         self.src, self.dest, self.die_after = src, dest, die_after
+        self.close_after = close_after
+        self.closed: set[int] | None = None
         self.stream = StreamDir(dest)
         self.written: list[int] = []
         self.high_water = 0  # most unconsumed shards on disk, counted as each is written
@@ -68,8 +73,13 @@ class Replay(threading.Thread):
     def run(self) -> None:
         while not self.stream.finished() and not self.halt.is_set():
             self.stream.beat(0, state="waiting", tok_s=1000.0)
+            if self.close_after is not None and len(set(self.written)) >= self.close_after:
+                if self.closed is None:
+                    self.closed = set(self.written)
+                    self.stream.close(0, 1, sorted(self.closed))
             wanted = self.stream.wanted()
-            todo = [k for k in wanted if not (self.dest / shard_file(k)).is_file()]
+            todo = [k for k in wanted if not (self.dest / shard_file(k)).is_file()
+                    and (self.closed is None or k in self.closed)]  # fmt: skip
             if not todo:
                 time.sleep(0.05)
                 continue
@@ -123,8 +133,8 @@ def offline(source, tmp_path_factory) -> Path:
 def test_streamed_run_trains_the_offline_head_within_the_bound(source, offline, tmp_path):
     dest = tmp_path / "ds"
     producer = Replay(source, dest)
-    producer.start()
-    assert fit(dest, tmp_path / "run", "--data.stream.shards=2") == 0
+    producer.start()  # the loader in a worker process: the same head, the same position
+    assert fit(dest, tmp_path / "run", "--data.stream.shards=2", "--data.num_workers=1") == 0
     producer.join(timeout=10)
     assert_same(head(tmp_path / "run"), head(offline))
     assert producer.high_water <= 2
@@ -134,6 +144,28 @@ def test_streamed_run_trains_the_offline_head_within_the_bound(source, offline, 
     ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)
     position = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert position["epoch"] == 1 and position["shards_done"] == list(range(6))
+
+
+def test_a_closed_stream_trains_the_shards_written_as_offline(
+    source, tmp_path, tiny_model_dir, make_hf_dataset
+):
+    """A producer's time limit closes the stream at the shards written: training goes on
+    over those (recapture writes only those again), as over an offline dataset of them."""
+    short = make_hf_dataset(tmp_path / "short", tiny_model_dir, PROMPTS[:12], samples_per_shard=4)
+    steps = "--trainer.max_steps=1000"  # one LR schedule for both: the stream planned 6 shards
+    assert fit(short, tmp_path / "offline", steps) == 0
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest, close_after=3)
+    producer.start()
+    assert fit(dest, tmp_path / "run", "--data.stream.shards=2", steps,
+               "--data.stream.policy=recapture", "--data.num_workers=1") == 0  # fmt: skip
+    producer.join(timeout=10)
+    assert_same(head(tmp_path / "run"), head(tmp_path / "offline"))
+    assert set(producer.written) == {0, 1, 2}
+    assert producer.written.count(2) == 2  # epoch 2 wrote it again; 0 and 1 hold validation
+    ckpt = torch.load(tmp_path / "run" / "ckpt" / "last.ckpt", weights_only=False)
+    position = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    assert position["shards_done"] == [0, 1, 2]
 
 
 def test_recapture_deletes_after_use_and_extracts_again(source, offline, tmp_path):

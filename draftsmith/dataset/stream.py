@@ -7,6 +7,9 @@ holds ``stream/``:
                            it last said so (its heartbeat)
     producer-w<i>.json     each producer: pid, host, state, shards and tokens written, time
                            busy and waiting (its heartbeat)
+    closed-w<i>.json       producer i reached its time limit: the shards it wrote are the
+                           last it writes new (a time budget's cut of the data; the
+                           dataset is closed once every producer has said so)
     finished.json          the trainer is done: producers exit
     failed.json            a producer that cannot go on: why (the trainer stops on it)
 
@@ -127,6 +130,14 @@ class StreamDir:
         record of what it held, and its sample lengths for resuming)."""
         (self.root / shard_file(index)).unlink(missing_ok=True)
 
+    def closed(self) -> set[int] | None:
+        """The shards the dataset holds once every producer reached its time limit (each
+        wrote ``closed-w<i>.json``); None while any still writes new shards."""
+        notes = [_read(p, {}) for p in self.dir.glob("closed-w*.json")]
+        if not notes or len(notes) < max(n.get("workers", 1) for n in notes):
+            return None
+        return {k for n in notes for k in n.get("shards", [])}
+
     def failure(self) -> str | None:
         """Why a producer stopped for good, or None."""
         return _read(self.dir / "failed.json", {}).get("error")
@@ -214,6 +225,17 @@ class StreamDir:
             if p.get("host") == host and now - p.get("time", 0.0) < fresh and not idle:
                 cores.update(p.get("cores", []))
         return cores
+
+    def closed_by(self, worker: int) -> set[int] | None:
+        """The shards producer ``worker`` closed the dataset at (None: it has not)."""
+        note = _read(self.dir / f"closed-w{worker}.json", None)
+        return None if note is None else set(note["shards"])
+
+    def close(self, worker: int, workers: int, shards: list[int]) -> None:
+        """Producer ``worker`` of ``workers`` writes no new shard beyond ``shards``."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        body = {"workers": workers, "shards": sorted(shards), "time": time.time()}
+        write_json_atomic(self.dir / f"closed-w{worker}.json", body)
 
     def fail(self, error: str) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,9 @@ class ExtractConfig:
     """Seconds this run may take, engine starts included (the pipeline's time_budget sets
     it). No shard starts that would end past it: the shards written are whole, the manifest
     says ``stopped_by: time_limit``, and training reads them as a dataset. Re-running
-    without the limit resumes the rest. null = no limit."""
+    without the limit resumes the rest. Streaming, the producer closes the dataset there:
+    the shards written so far are all it holds, training goes on over them, and a
+    ``recapture`` producer writes only those again. null = no limit."""
     seed: int = 0
     """Seed for self-written prompts and sampled regeneration."""
     verify: int = 0

@@ -49,10 +49,10 @@ def check_config(cfg: ExtractConfig) -> None:
         raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
     if not 0.0 <= cfg.keep_replies <= 1.0:
         raise ConfigError(f"keep_replies: {cfg.keep_replies} is a share; give a number in [0, 1].")
-    if cfg.stream and (cfg.repair or cfg.time_limit or cfg.verify):
+    if cfg.stream and (cfg.repair or cfg.verify):
         raise ConfigError(
             "stream: a producer writes what its trainer asks for until the trainer ends; "
-            "drop repair, time_limit and verify from a streaming run."
+            "drop repair and verify from a streaming run."
         )
     if cfg.stream and cfg.regenerate and cfg.temperature > 0:
         raise ConfigError(

@@ -7,6 +7,9 @@ The protocol is ``draftsmith.dataset.stream``. This loop reads what the trainer 
 (``k % workers == worker``) that is not on disk, and beats after each shard and while it
 waits, with its rates, so the trainer's progress can say which side starves. It ends when
 the trainer says it finished, or after ``trainer_timeout`` seconds without a word from it.
+With ``time_limit`` it starts no new shard that would end past it and closes the dataset
+at the shards written (``stream/closed-w<i>.json``): training goes on over those, as it
+does over an offline dataset cut by its time limit, and later epochs' recaptures go on.
 
 Run it in its own process (the pipeline starts one): vLLM refuses to start inside a
 daemonic DataLoader worker (vllm#18308), and an engine in the trainer's process would share
@@ -22,7 +25,7 @@ from typing import Any
 from draftsmith.core.console import say
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.dataset import manifest
-from draftsmith.dataset.stream import POLL_S, StreamDir
+from draftsmith.dataset.stream import POLL_S, StreamDir, sidecar
 
 
 def serve(job: Any) -> dict:
@@ -37,11 +40,19 @@ def serve(job: Any) -> dict:
     try:
         job.engine.get()
         say(f"extract: producing for a streamed trainer at {output} (worker {cfg.worker})")
+        closed = stream.closed_by(cfg.worker)  # a restarted producer keeps its cut
         while not stream.finished():
+            if closed is None and _past_limit(cfg.time_limit, started, stats):
+                closed = {k for k in range(cfg.worker, len(job.shards), cfg.workers)
+                          if sidecar(output, k) is not None}  # fmt: skip
+                stream.close(cfg.worker, cfg.workers, sorted(closed))
+                say(f"extract: time_limit {cfg.time_limit:.0f} s: dataset closed at "
+                    f"{len(closed)} shards of worker {cfg.worker}")  # fmt: skip
             mine = [
                 k
                 for k in stream.wanted()
                 if k % cfg.workers == cfg.worker
+                and (closed is None or k in closed)
                 and not manifest.shard_done(output, k, job.shards[k])
             ]
             if not mine:
@@ -77,3 +88,12 @@ def serve(job: Any) -> dict:
         f"in {stats['busy_s']:.0f} s; waited {stats['waiting_s']:.0f} s for the trainer"
     )
     return manifest.build_manifest(output, job.target, job.layer_ids, job.config)
+
+
+def _past_limit(time_limit: float | None, started: float, stats: dict[str, Any]) -> bool:
+    """Would the next shard end past ``time_limit`` (at the mean shard time so far)? Never
+    before the first shard is written: training needs data."""
+    if not time_limit or not stats["shards_written"]:
+        return False
+    per_shard = stats["busy_s"] / stats["shards_written"]
+    return time.monotonic() + per_shard > started + time_limit

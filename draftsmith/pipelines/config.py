@@ -59,8 +59,10 @@ class PipelineConfig:
     producer_timeout), e.g. {shards: 4}: after the validation set, a producer process
     (``draftsmith extract --stream true``) writes the shards the trainer asks for, never
     more than ``shards`` ahead, and training reads them shard by shard as they complete.
-    Under time_budget training gets extract_share + train_share. Empty: offline (extract,
-    then train). docs/scaling.md."""
+    Under time_budget training gets extract_share + train_share, and the producer closes
+    the data at extract_share (no new shards; training goes on over those). On a CPU
+    machine the producer gets half the cores and training the rest, all of them while the
+    producer waits. Empty: offline (extract, then train). docs/scaling.md."""
     export: dict[str, Any] = field(default_factory=dict)
     """`draftsmith export` options: num_speculative_tokens, dtype."""
     eval: dict[str, Any] = field(default_factory=dict)

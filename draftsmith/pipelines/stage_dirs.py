@@ -135,7 +135,7 @@ class Plan:
         cfg, d = self.cfg, self.dirs[stage]
         if stage == "extract":
             section = {**cfg.extract, "model": cfg.model, "output": str(d)}
-            if cfg.time_budget and not cfg.stream:  # a producer runs as long as training
+            if cfg.time_budget:  # streamed: the producer closes the data there, training goes on
                 left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
                 section["time_limit"] = max(left, 0.01)  # at least one shard: training needs data
         elif stage == "train":

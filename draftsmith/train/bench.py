@@ -7,9 +7,14 @@ peak on GPU, process peak RSS on CPU) and, on GPU, model FLOPs utilisation again
 
     draftsmith bench-train --model smollm2-135m --ttt_steps 7 --row_tokens 2048
     draftsmith bench-train --model configs/targets/llama3.1-8b --random_weights true
+    draftsmith bench-train ... --data DIR --order shards --num_workers 1   # with the loader
 
 ``configs/targets/*`` hold only the config.json of large targets: with ``--random_weights``
 the shared tensors are random with the target's shapes (throughput does not depend on values).
+With ``--data`` the rows come from a dataset through the training loader instead (in
+``order`` samples or shards, from a cold page cache by default), and the time includes
+whatever the step waits for it: whether the loader keeps up with the GPU. A dataset of the
+target's shapes without a target: ``draftsmith bench-loader --keep true``.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -60,6 +68,15 @@ class BenchTrainConfig:
     """Tokens per chunk of logits in the loss."""
     attention: AttentionImpl = "auto"
     """TTT attention (as ``model.attention``): auto, blockwise, efficient or dense."""
+    data: str | None = None
+    """A dataset directory to take the rows from through the training loader (its states
+    must have the target's hidden size); null = random rows made once, no loader."""
+    order: Literal["samples", "shards"] = "samples"
+    """With ``data``: the loader's order (as ``data.order``; streaming trains in shards)."""
+    num_workers: int = 2
+    """With ``data``: DataLoader worker processes (as ``data.num_workers``)."""
+    cold: bool = True
+    """With ``data``: drop the shards from the page cache first (a large dataset's case)."""
     output: str | None = None
     """Optional JSON file for the figures (an existing file bench-train did not write is
     refused; see `overwrite`)."""
@@ -97,9 +114,15 @@ def run(cfg: BenchTrainConfig) -> dict:
         "loss_mask": torch.ones(b, t, dtype=torch.bool),
     }
     batch = {k: v.to(device) for k, v in batch.items()}
+    rows = loader_rows(cfg, device) if cfg.data else None
+    real_tokens = 0
     autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
 
     def step() -> None:
+        nonlocal batch, real_tokens
+        if rows is not None:
+            batch = next(rows)
+            real_tokens += int((batch["doc_ids"] >= 0).sum())
         with autocast:
             states = ttt_unroll(
                 head, batch["input_ids"], batch["aux"], batch["positions"], batch["doc_ids"],
@@ -117,6 +140,7 @@ def run(cfg: BenchTrainConfig) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    real_tokens = 0
     start = time.perf_counter()
     for _ in range(cfg.steps):
         step()
@@ -131,12 +155,33 @@ def run(cfg: BenchTrainConfig) -> dict:
         "tokens_per_s": tokens / seconds,
         "seconds_per_step": seconds / cfg.steps,
     }
+    if rows is not None:  # padding excluded: what the loader delivered
+        result["real_tokens_per_s"] = real_tokens / seconds
     if device == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["mfu_bf16"] = mfu(head, cfg, tokens / seconds)
     else:
         result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
+
+
+def loader_rows(cfg: BenchTrainConfig, device: str) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of ``cfg.data`` from the training loader, endlessly, on ``device`` under
+    bench-train's keys."""
+    from draftsmith.core.memory import evict
+    from draftsmith.train.data import StatesDataModule
+
+    module = StatesDataModule(
+        cfg.data, row_tokens=cfg.row_tokens, batch_size=cfg.batch_size, val_fraction=0.0,
+        num_workers=cfg.num_workers, order=cfg.order,
+        dtype="bfloat16" if device == "cuda" else "float32",  # as training: autocast on GPU
+    )  # fmt: skip
+    if cfg.cold:
+        evict(Path(cfg.data).glob("shard-*.safetensors"))
+    names = {"aux_states": "aux", "teacher_states": "teacher", "position_ids": "positions"}
+    while True:
+        for batch in module.train_dataloader():
+            yield {names.get(k, k): v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def mfu(head: torch.nn.Module, cfg: BenchTrainConfig, tokens_per_s: float) -> float | None:

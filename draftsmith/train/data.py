@@ -92,7 +92,8 @@ class StatesDataModule(pl.LightningDataModule):
             ``data`` trains, and the simulated acceptance predicts serving on prompts the
             head never saw rather than on the training set's own kind. Same target and
             tapped layers as ``data``.
-        num_workers: DataLoader worker processes.
+        num_workers: DataLoader worker processes (in shard order, and so when streaming:
+            0 or 1; more count as 1, since each worker would read every shard).
         seed: seeds the split, the packing and the row order (reshuffled every epoch).
         aux_layers: tapped layer ids that feed the head, concatenated in ascending order;
             default all but the last (EAGLE-3); EAGLE-1 uses the last one alone, ``[N]``.
@@ -322,9 +323,15 @@ class StatesDataModule(pl.LightningDataModule):
             self.hidden_size,
             lambda: self.trainer.current_epoch if self.trainer else 0,
             self.stream,
+        )
+        return ShardLoader(
+            batches,
+            self._batches_done,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            worker_init_fn=worker_init if self.workers_keep_memory else None,
             on_stop=stop,
         )
-        return ShardLoader(batches, self._batches_done)
 
     def teardown(self, stage: str) -> None:
         """Streaming: tell the producers the trainer is done (rank 0, after fit)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from draftsmith.dataset.stream import (
 )
 from draftsmith.train.packing import PackedDataset, collate, pack
 
+CUT = {"closed": True}  # what a wait returns for a shard the stream was closed without
 SEED_STRIDE = 1_000_003  # keeps (seed, shard) seeds apart
 
 
@@ -109,7 +111,6 @@ class ShardBatches(IterableDataset):
         hidden_size: int,
         current_epoch: Callable[[], int],
         stream: StreamOptions | None = None,
-        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, world
         self.hidden_size, self.current_epoch = hidden_size, current_epoch
@@ -117,18 +118,25 @@ class ShardBatches(IterableDataset):
         self.stream = stream
         self.streams = StreamDir(plan.root) if stream else None
         self.window = max(1, stream.shards // world) if stream else 0
-        self.on_stop = on_stop  # called when the policy ends training (drop, after one epoch)
         self.epoch, self.skip = 0, 0
         self.done: list[tuple[int, int]] = []  # (shard, batches) finished this epoch, in order
         self.read: set[int] = set()  # shards read in full this epoch (maybe deleted already)
         self.trained_tokens, self.train_s, self.waited_s = 0, 0.0, 0.0
         self._beat = 0.0
+        self.cut: set[int] | None = None  # the shards a closed stream holds
 
     # ----- position -----------------------------------------------------------------
     def position(self, batches_done: int) -> dict[str, Any]:
-        """(shards finished, shard in progress, its batches done) after ``batches_done``."""
+        """(shards finished, shard in progress, its batches done) after ``batches_done``,
+        from the plan and the shards' records alone (the loader's worker has the state)."""
         finished, left = [], batches_done
-        for index, n in self.done:
+        for index in self.plan.shards:
+            info = self.plan.info(index)
+            if info is None and not self._kept(index):
+                continue  # the stream closed without it
+            if info is None:
+                break
+            n = self.plan.batches(index, info)
             if left < n:
                 return {"shards_done": finished, "shard": index, "batches_in_shard": left}
             finished.append(index)
@@ -143,6 +151,8 @@ class ShardBatches(IterableDataset):
         mine = self.plan.shards
         for pos, index in enumerate(mine):
             info = self._sidecar_or_wait(index, mine[pos:], need_file=False)
+            if info is None:  # the stream closed without it (its producer's time limit)
+                continue
             n = self.plan.batches(index, info)
             if skip >= n:  # trained before the checkpoint this run resumed from
                 skip -= n
@@ -150,6 +160,8 @@ class ShardBatches(IterableDataset):
                 covered += n
                 continue
             info = self._sidecar_or_wait(index, mine[pos:], need_file=True)
+            if info is None:
+                continue
             covered += skip
             for batch in self._shard(index, info, start=skip):
                 covered += 1
@@ -159,9 +171,7 @@ class ShardBatches(IterableDataset):
         for _ in range(self._rank_padding(covered) - skip):  # skip: padding trained already
             yield self._empty()
         if self.streams is not None:
-            self._epoch_line(len(mine))
-        if self.stream and self.stream.policy == "drop" and self.on_stop:
-            self.on_stop()
+            self._epoch_line(len(self.done))
 
     def _shard(self, index: int, info: dict[str, Any], start: int) -> Iterator[dict[str, Tensor]]:
         ds = _one_shard(self.plan.root, info, self.dtype, self.check_shards)
@@ -208,14 +218,19 @@ class ShardBatches(IterableDataset):
         totals = [0] * self.world
         for index in self.plan.all_shards:
             info = self._sidecar_or_wait(index, [], need_file=False)
+            if info is None:
+                continue
             totals[index % self.world] += self.plan.batches(index, info)
         return max(totals) - mine
 
     # ----- streaming ----------------------------------------------------------------
-    def _sidecar_or_wait(self, index: int, ahead: list[int], need_file: bool) -> dict[str, Any]:
+    def _sidecar_or_wait(
+        self, index: int, ahead: list[int], need_file: bool
+    ) -> dict[str, Any] | None:
         """Shard ``index``'s record (and, with ``need_file``, its file on disk). Streaming,
         a shard about to be read is announced with the next ones (``ahead``), however it
-        stands: the producer then never acts on an older list; a missing one is waited for."""
+        stands: the producer then never acts on an older list; a missing one is waited for.
+        None: the stream was closed without it (its producer's time limit)."""
         root = self.plan.root
         if self.streams is None:
             info = self.plan.info(index)
@@ -229,12 +244,19 @@ class ShardBatches(IterableDataset):
             info = sidecar(root, index)
             if info is not None:
                 return info
-        want = ahead[: self.window] or [index]
+        if not self._kept(index):
+            return None
+        want = [k for k in ahead if self._kept(k)][: self.window] or [index]
         self._tell(want)
         started = time.monotonic()
-        info = self.streams.wait_for(
-            index, self.stream.producer_timeout, stop=lambda: self._heartbeat(want)
+        info = self.streams.wait_until(
+            lambda: shard_ready(root, index) or (None if self._kept(index) else CUT),
+            f"shard {index}",
+            self.stream.producer_timeout,
+            stop=lambda: self._heartbeat(want),
         )
+        if info is CUT:
+            return None
         waited = time.monotonic() - started
         self.waited_s += waited
         if waited > 1.0:
@@ -257,8 +279,8 @@ class ShardBatches(IterableDataset):
         """Every few seconds, re-say what this rank wants (the producer's sign of life)."""
         if self.streams is None or time.monotonic() - self._beat < 5.0:
             return
-        ahead = [k for k in self.plan.shards if k not in self.read][: self.window]
-        self._tell(want if want is not None else ahead)
+        ahead = [k for k in self.plan.shards if k not in self.read and self._kept(k)]
+        self._tell(want if want is not None else ahead[: self.window])
 
     def _release(self, index: int, info: dict[str, Any]) -> None:
         if self.streams is None or self.stream.policy == "keep":
@@ -267,8 +289,18 @@ class ShardBatches(IterableDataset):
             return
         # Say first that it is no longer wanted, then delete it: a producer never reads a
         # list that still asks for a shard already gone.
-        self._tell([k for k in self.plan.shards if k not in self.read][: self.window])
+        ahead = [k for k in self.plan.shards if k not in self.read and self._kept(k)]
+        self._tell(ahead[: self.window])
         self.streams.release(index)
+
+    def _kept(self, index: int) -> bool:
+        """Is shard ``index`` in the dataset: always, until a producer's time limit closes
+        the stream at the shards written (final once known)."""
+        if self.streams is None:
+            return True
+        if self.cut is None:
+            self.cut = self.streams.closed()
+        return self.cut is None or index in self.cut
 
     def _report(self, index: int, waited: float) -> None:
         """Which side starves: the trainer's rate, the producers' and the backlog."""
@@ -299,16 +331,43 @@ class ShardBatches(IterableDataset):
 
 
 class ShardLoader(DataLoader):
-    """The DataLoader over ``ShardBatches``; its position goes into checkpoints."""
+    """The DataLoader over ``ShardBatches``; its position goes into checkpoints.
 
-    def __init__(self, batches: ShardBatches, batches_done: Callable[[], int]) -> None:
-        super().__init__(batches, batch_size=None, num_workers=0)
-        self.batches_done = batches_done
+    With ``num_workers`` 1 the batches are read, packed and collated in a worker process
+    while the step before trains (on a GPU, reading in the training process would stall
+    it); more workers would each read every shard, so 1 is the most. ``on_stop`` is called
+    in the training process after an epoch that the policy ends training with (drop)."""
+
+    def __init__(
+        self,
+        batches: ShardBatches,
+        batches_done: Callable[[], int],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        if multiprocessing.get_start_method() != "fork":  # the batches hold the trainer's hooks
+            num_workers = 0
+        super().__init__(
+            batches,
+            batch_size=None,
+            num_workers=min(num_workers, 1),
+            pin_memory=pin_memory,
+            worker_init_fn=worker_init_fn if num_workers else None,
+        )
+        self.batches_done, self.on_stop = batches_done, on_stop
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from super().__iter__()
+        b: ShardBatches = self.dataset  # type: ignore[assignment]
+        if b.stream is not None and b.stream.policy == "drop" and self.on_stop is not None:
+            self.on_stop()
 
     def state_dict(self) -> dict[str, Any]:
         b: ShardBatches = self.dataset  # type: ignore[assignment]
         done = self.batches_done()
-        return {"epoch": b.epoch, "batches_done": done, **b.position(done)}
+        return {"epoch": b.current_epoch(), "batches_done": done, **b.position(done)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         b: ShardBatches = self.dataset  # type: ignore[assignment]
@@ -360,9 +419,16 @@ def open_window(
         raise DatasetError(f"data.fit_shards: {count}; give at least 1 (dataset {data})")
     window = all_shards[:count]
     if stream is not None:
+        cut = streams.closed()  # a resumed run: the producer's time limit cut the data
+        window = [k for k in all_shards if cut is None or k in cut][:count]
         streams.want(0, window)
         for k in window:
-            streams.wait_for(k, stream.producer_timeout, stop=lambda: streams.want(0, window))
+            streams.wait_until(
+                lambda k=k: shard_ready(root, k) or (CUT if k not in (streams.closed() or {k})
+                                                     else None),
+                f"shard {k}", stream.producer_timeout, stop=lambda: streams.want(0, window),
+            )  # fmt: skip
+        window = [k for k in window if sidecar(root, k) is not None]
     infos = [listed[k] if listed is not None else sidecar(root, k) for k in window]
     ds = HiddenStatesDataset(root, dtype, check_shards=check_shards, shard_infos=infos)
     return ds, all_shards, listed
