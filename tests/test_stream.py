@@ -260,3 +260,16 @@ def test_two_ranks_consume_disjoint_shards(source, tmp_path):
     position = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert position["shards_done"] == [0, 2, 4]  # rank 0's; rank 1 took 1, 3, 5
     assert sorted(producer.written) == list(range(6))  # each shard written once
+
+
+def test_the_wait_for_the_first_shards_counts_in_max_time():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import Timer
+
+    from draftsmith.train.main import charge_wait
+
+    capped = Trainer(max_time="00:00:10:00", logger=False, enable_progress_bar=False)
+    assert "waited 120 s" in charge_wait(capped, 120.0)
+    timer = next(c for c in capped.callbacks if isinstance(c, Timer))
+    assert timer.time_remaining() == pytest.approx(480.0, abs=1.0)
+    assert charge_wait(Trainer(logger=False, enable_progress_bar=False), 120.0) is None

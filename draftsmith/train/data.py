@@ -6,6 +6,7 @@ kind. Samples are packed into rows by ``packing.py``; the batch each row becomes
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,6 +154,7 @@ class StatesDataModule(pl.LightningDataModule):
         self.workers_keep_memory = workers_keep_memory
         self.dtype, self.check_shards = DTYPES[dtype], check_shards
         self.stream, self.epochs_cap = stream, None
+        self.window_wait_s = 0.0  # streaming: seconds spent waiting for the first shards
         self.order = "shards" if stream is not None else order
         self.shard_plan: ShardPlan | None = None
         self.listed: dict[int, dict[str, Any]] | None = None
@@ -164,9 +166,11 @@ class StatesDataModule(pl.LightningDataModule):
                 )
             if stream is not None and stream.policy == "drop":
                 self.epochs_cap = 1  # each shard trains once
+            started = time.monotonic()
             self.dataset, self.all_shards, self.listed = open_window(
                 data, fit_shards, stream, DTYPES[dtype], check_shards
             )
+            self.window_wait_s = time.monotonic() - started if stream is not None else 0.0
         else:
             self.dataset = open_dataset(data, dtype=DTYPES[dtype], check_shards=check_shards)
         self.manifest: dict[str, Any] = self.dataset.manifest

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from draftsmith.core.config import parse_errors
@@ -94,6 +94,9 @@ class TrainCLI(LightningCLI):
             trainer.callbacks.append(ConsoleProgress())
             if config.data.stream and runs_on_cpu(config.trainer.accelerator):
                 trainer.callbacks.append(ShareCores(config.data.data))  # a producer beside it
+            waited = getattr(self.datamodule, "window_wait_s", 0.0)
+            if waited >= 1.0 and (note := charge_wait(trainer, waited)):
+                say(f"train: {note}")
         return trainer
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -142,6 +145,17 @@ class TrainCLI(LightningCLI):
             args = getattr(logger, "init_args", None)
             if args is not None and logger.class_path.endswith("WandbLogger") and not args.name:
                 args.name = Path(str(config.config[0])).stem if config.get("config") else None
+
+
+def charge_wait(trainer: Trainer, seconds: float) -> str | None:
+    """Count ``seconds`` already spent waiting for a stream's first shards in
+    ``trainer.max_time`` (its clock starts with the first step): a time budget is wall
+    time. Returns a line saying so, or None without a time cap."""
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is None or timer._duration is None:  # Lightning keeps the cap there, in seconds
+        return None
+    timer._duration = max(timer._duration - seconds, 1.0)
+    return f"waited {seconds:.0f} s for the stream's first shards; trainer.max_time counts them"
 
 
 def main(args: list[str] | None = None) -> int:
