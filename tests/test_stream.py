@@ -273,3 +273,44 @@ def test_the_wait_for_the_first_shards_counts_in_max_time():
     timer = next(c for c in capped.callbacks if isinstance(c, Timer))
     assert timer.time_remaining() == pytest.approx(480.0, abs=1.0)
     assert charge_wait(Trainer(logger=False, enable_progress_bar=False), 120.0) is None
+
+
+def test_a_producers_time_limit_closes_the_stream_after_whole_shards(source, tmp_path, monkeypatch):
+    """The real producer loop (``extract/producer.py``) with a stand-in for vLLM."""
+    from types import SimpleNamespace
+
+    from draftsmith.extract import producer
+
+    monkeypatch.setattr(producer.manifest, "build_manifest", lambda *args: {})
+    dest = tmp_path / "ds"
+    dest.mkdir()
+    shutil.copy(source / "plan.json", dest / "plan.json")
+    planned = json.loads((source / "plan.json").read_text())["shards"]
+
+    class Job:  # what extract's ShardJob gives the loop
+        cfg = SimpleNamespace(worker=0, workers=1, trainer_timeout=30.0, time_limit=0.01)
+        output, shards, target, layer_ids, config = dest, planned, None, None, None
+        engine = SimpleNamespace(get=lambda: None, close=lambda: None)
+        written: list[int] = []
+
+        def extract(self, k: int) -> int:
+            shutil.copy(source / shard_file(k), dest / shard_file(k))
+            shutil.copy(source / sidecar_file(k), dest / sidecar_file(k))
+            self.written.append(k)
+            return 100
+
+    stream, job = StreamDir(dest), Job()
+    stream.want(0, [0, 1, 2])
+    loop = threading.Thread(target=producer.serve, args=(job,), daemon=True)
+    loop.start()
+    deadline = time.monotonic() + 20
+    while stream.closed() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream.closed() == {0}  # past the limit after its first shard: no new shard starts
+    (dest / shard_file(0)).unlink()  # recapture: a closed shard is written again when asked
+    stream.want(0, [0, 1, 2])
+    while job.written.count(0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stream.finish()
+    loop.join(timeout=10)
+    assert not loop.is_alive() and job.written == [0, 0]
