@@ -19,7 +19,9 @@ def test_the_producer_gets_the_upper_half_of_the_cores():
     assert producer_cores({3}) is None  # one core: nothing to split
 
 
-def test_training_takes_the_cores_a_writing_producer_leaves_and_all_while_it_waits(tmp_path):
+def test_training_takes_the_cores_a_writing_producer_leaves_and_all_while_it_waits(
+    tmp_path, monkeypatch
+):
     stream = StreamDir(tmp_path)
     share = ShareCores(str(tmp_path))
     share.cores = {0, 1, 2, 3}
@@ -37,9 +39,11 @@ def test_training_takes_the_cores_a_writing_producer_leaves_and_all_while_it_wai
     beat("writing shard 4", host="another-host")
     assert share.threads_now() == 4  # a producer on another machine takes no core here
     beat("writing shard 4")
-    before, share.threads = torch.get_num_threads(), 0  # as if training had used none
-    try:
-        share.on_train_batch_start(None, None, None, 0)
-        assert torch.get_num_threads() == share.threads == 2 and share.switches == 1
-    finally:
-        torch.set_num_threads(before)
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    share.threads = 4  # as while the producer waited
+    share.on_train_batch_start(None, None, None, 0)
+    assert calls == [2] and share.threads == 2 and share.switches == 1
+    share.checked = 0.0  # next check: nothing changed, nothing set
+    share.on_train_batch_start(None, None, None, 1)
+    assert calls == [2]

@@ -294,6 +294,7 @@ def test_a_producers_time_limit_closes_the_stream_after_whole_shards(source, tmp
         written: list[int] = []
 
         def extract(self, k: int) -> int:
+            time.sleep(0.05)  # longer than the limit: the limit falls after the first shard
             shutil.copy(source / shard_file(k), dest / shard_file(k))
             shutil.copy(source / sidecar_file(k), dest / sidecar_file(k))
             self.written.append(k)
@@ -304,13 +305,15 @@ def test_a_producers_time_limit_closes_the_stream_after_whole_shards(source, tmp
     loop = threading.Thread(target=producer.serve, args=(job,), daemon=True)
     loop.start()
     deadline = time.monotonic() + 20
-    while stream.closed() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert stream.closed() == {0}  # past the limit after its first shard: no new shard starts
-    (dest / shard_file(0)).unlink()  # recapture: a closed shard is written again when asked
-    stream.want(0, [0, 1, 2])
-    while job.written.count(0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stream.finish()
-    loop.join(timeout=10)
+    try:
+        while stream.closed() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stream.closed() == {0}  # past the limit after its first shard: none starts
+        (dest / shard_file(0)).unlink()  # recapture: a closed shard is written again
+        stream.want(0, [0, 1, 2])
+        while job.written.count(0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stream.finish()
+        loop.join(timeout=10)
     assert not loop.is_alive() and job.written == [0, 0]
