@@ -75,3 +75,30 @@ def test_bench_loader_rejects_samples_longer_than_rows(tmp_path, capsys):
     code = main(["--sample_tokens=100", "--row_tokens=64", f"--work_dir={tmp_path}"])
     assert code == 2
     assert "sample_tokens: 100" in capsys.readouterr().err
+
+
+def test_bench_train_with_data_times_the_loaders_own_batches(tmp_path):
+    """``bench-train --data``: every timed step trains the next batch the training loader
+    gives (shard order, in a worker), and the real tokens it reports are those batches'."""
+    from draftsmith.train.bench import BenchTrainConfig, run
+    from draftsmith.train.data import StatesDataModule
+
+    target = tmp_path / "tiny"
+    target.mkdir()
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32}
+    (target / "config.json").write_text(json.dumps({**TINY, **heads}))  # a head is built
+    args = [f"--model={target}", "--tokens=300", "--sample_tokens=40", "--samples_per_shard=4",
+            "--storage_dtypes=[bfloat16]", "--caches=[warm]", "--workers=[0]", "--keep=true",
+            f"--work_dir={tmp_path / 'work'}", "--output=null"]  # fmt: skip
+    assert main(args) == 0
+    data = next((tmp_path / "work").glob("shards-*/bfloat16"))
+    cfg = BenchTrainConfig(model=str(target), random_weights=True, ttt_steps=1, row_tokens=64,
+                           draft_vocab_size=64, steps=2, data=str(data), order="shards",
+                           num_workers=1, cold=False)  # fmt: skip
+    result = run(cfg)
+    module = StatesDataModule(str(data), row_tokens=64, batch_size=1, val_fraction=0.0,
+                              num_workers=0, order="shards")  # fmt: skip
+    batches = list(module.train_dataloader())
+    assert len(batches) >= 3  # the warm-up step, then the two timed ones
+    assert result["real_tokens"] == sum(int((b["doc_ids"] >= 0).sum()) for b in batches[1:3])
+    assert result["real_tokens_per_s"] > 0

@@ -40,6 +40,7 @@ from draftsmith.core.files import write_json_atomic
 STREAM_DIR = "stream"
 POLICIES = ("keep", "recapture", "drop")
 POLL_S = 0.2
+_CUT: dict[str, Any] = {}  # what a wait finds for a shard the stream was closed without
 
 
 @dataclass
@@ -146,10 +147,18 @@ class StreamDir:
         """Every producer's last heartbeat."""
         return [_read(p, {}) for p in sorted(self.dir.glob("producer-w*.json"))]
 
-    def wait_for(self, index: int, timeout: float, stop: Any = None) -> dict[str, Any]:
-        """Block until shard ``index`` is on disk; its sidecar (``wait_until``)."""
-        return self.wait_until(lambda: shard_ready(self.root, index), f"shard {index}",
-                               timeout, stop)  # fmt: skip
+    def wait_for(self, index: int, timeout: float, stop: Any = None) -> dict[str, Any] | None:
+        """Block until shard ``index`` is on disk: its sidecar (``wait_until``); None when
+        the stream is closed without it (``closed``)."""
+
+        def ready() -> dict[str, Any] | None:
+            if (info := shard_ready(self.root, index)) is not None:
+                return info
+            cut = self.closed()
+            return _CUT if cut is not None and index not in cut else None
+
+        found = self.wait_until(ready, f"shard {index}", timeout, stop)
+        return None if found is _CUT else found
 
     def wait_until(self, ready: Any, what: str, timeout: float, stop: Any = None) -> Any:
         """Poll ``ready()`` until it returns something; return it. Raises ``DatasetError``

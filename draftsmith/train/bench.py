@@ -19,6 +19,7 @@ target's shapes without a target: ``draftsmith bench-loader --keep true``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import resource
 import sys
@@ -103,26 +104,14 @@ def run(cfg: BenchTrainConfig) -> dict:
     head.to(device)
     teacher_w = teacher_w.to(device)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
-    b, t, h = cfg.batch_size, cfg.row_tokens, target.hidden_size
-    gen = torch.Generator().manual_seed(0)
-    batch = {
-        "input_ids": torch.randint(0, cfg.draft_vocab_size, (b, t), generator=gen),
-        "aux": torch.randn(b, t, 3 * h, generator=gen),
-        "teacher": torch.randn(b, t, h, generator=gen),
-        "positions": torch.arange(t).repeat(b, 1),
-        "doc_ids": torch.zeros(b, t, dtype=torch.long),
-        "loss_mask": torch.ones(b, t, dtype=torch.bool),
-    }
-    batch = {k: v.to(device) for k, v in batch.items()}
-    rows = loader_rows(cfg, device) if cfg.data else None
-    real_tokens = 0
+    rows = loader_rows(cfg, device) if cfg.data else random_rows(cfg, target.hidden_size, device)
+    real_tokens = torch.zeros((), dtype=torch.long, device=device)  # summed there: no sync
     autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
 
     def step() -> None:
-        nonlocal batch, real_tokens
-        if rows is not None:
-            batch = next(rows)
-            real_tokens += int((batch["doc_ids"] >= 0).sum())
+        nonlocal real_tokens
+        batch = next(rows)
+        real_tokens += (batch["doc_ids"] >= 0).sum()
         with autocast:
             states = ttt_unroll(
                 head, batch["input_ids"], batch["aux"], batch["positions"], batch["doc_ids"],
@@ -140,14 +129,14 @@ def run(cfg: BenchTrainConfig) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    real_tokens = 0
+    real_tokens.zero_()
     start = time.perf_counter()
     for _ in range(cfg.steps):
         step()
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    tokens = b * t * cfg.steps
+    tokens = cfg.batch_size * cfg.row_tokens * cfg.steps
     result = {
         "config": to_dict(cfg),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -155,14 +144,29 @@ def run(cfg: BenchTrainConfig) -> dict:
         "tokens_per_s": tokens / seconds,
         "seconds_per_step": seconds / cfg.steps,
     }
-    if rows is not None:  # padding excluded: what the loader delivered
-        result["real_tokens_per_s"] = real_tokens / seconds
+    if cfg.data:  # padding excluded: what the loader delivered
+        result["real_tokens"] = int(real_tokens)
+        result["real_tokens_per_s"] = int(real_tokens) / seconds
     if device == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["mfu_bf16"] = mfu(head, cfg, tokens / seconds)
     else:
         result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
+
+
+def random_rows(cfg: BenchTrainConfig, hidden: int, device: str) -> Iterator[dict]:
+    """One batch of random rows with the target's shapes, made once and given every step."""
+    b, t, gen = cfg.batch_size, cfg.row_tokens, torch.Generator().manual_seed(0)
+    batch = {
+        "input_ids": torch.randint(0, cfg.draft_vocab_size, (b, t), generator=gen),
+        "aux": torch.randn(b, t, 3 * hidden, generator=gen),
+        "teacher": torch.randn(b, t, hidden, generator=gen),
+        "positions": torch.arange(t).repeat(b, 1),
+        "doc_ids": torch.zeros(b, t, dtype=torch.long),
+        "loss_mask": torch.ones(b, t, dtype=torch.bool),
+    }
+    return itertools.repeat({k: v.to(device) for k, v in batch.items()})
 
 
 def loader_rows(cfg: BenchTrainConfig, device: str) -> Iterator[dict[str, torch.Tensor]]:

@@ -20,7 +20,6 @@ for it, and afterwards deletes it unless the policy keeps it or it holds validat
 
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import time
@@ -34,17 +33,15 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from draftsmith.core.console import say
-from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.dataset import DatasetError, HiddenStatesDataset
 from draftsmith.dataset.stream import (
     StreamDir,
     StreamOptions,
-    planned_shards,
     shard_ready,
     sidecar,
 )
 from draftsmith.train.packing import PackedDataset, collate, pack
 
-CUT = {"closed": True}  # what a wait returns for a shard the stream was closed without
 SEED_STRIDE = 1_000_003  # keeps (seed, shard) seeds apart
 
 
@@ -81,7 +78,7 @@ class ShardPlan:
         read; a deleted shard's sidecar still has them)."""
         lengths = info.get("sample_tokens")
         if lengths is None:  # written before sidecars recorded lengths: read the header
-            lengths = _one_shard(self.root, info).lengths
+            lengths = one_shard(self.root, info).lengths
         return [n for n, sid in zip(lengths, info["sample_ids"], strict=True)
                 if sid not in self.val_ids]  # fmt: skip
 
@@ -174,7 +171,7 @@ class ShardBatches(IterableDataset):
             self._epoch_line(len(self.done))
 
     def _shard(self, index: int, info: dict[str, Any], start: int) -> Iterator[dict[str, Tensor]]:
-        ds = _one_shard(self.plan.root, info, self.dtype, self.check_shards)
+        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards)
         train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
         rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
         order = torch.randperm(
@@ -249,13 +246,10 @@ class ShardBatches(IterableDataset):
         want = [k for k in ahead if self._kept(k)][: self.window] or [index]
         self._tell(want)
         started = time.monotonic()
-        info = self.streams.wait_until(
-            lambda: shard_ready(root, index) or (None if self._kept(index) else CUT),
-            f"shard {index}",
-            self.stream.producer_timeout,
-            stop=lambda: self._heartbeat(want),
+        info = self.streams.wait_for(
+            index, self.stream.producer_timeout, stop=lambda: self._heartbeat(want)
         )
-        if info is CUT:
+        if info is None:
             return None
         waited = time.monotonic() - started
         self.waited_s += waited
@@ -374,67 +368,7 @@ class ShardLoader(DataLoader):
         b.skip = state["batches_done"]  # the epoch comes back with Lightning's own loop
 
 
-def listed_shards(data: str | Path) -> dict[int, dict[str, Any]]:
-    """Shard index -> manifest entry, for every shard of a finished dataset."""
-    shards = json.loads((Path(data) / "manifest.json").read_text())["shards"]
-    return {int(Path(info["file"]).stem.split("-")[1]): info for info in shards}
-
-
-def open_window(
-    data: str,
-    fit_shards: int | None,
-    stream: StreamOptions | None,
-    dtype: torch.dtype,
-    check_shards: bool,
-) -> tuple[HiddenStatesDataset, list[int], dict[int, dict[str, Any]] | None]:
-    """(the first ``fit_shards`` shards as a dataset, every shard index to train, the
-    shards' manifest entries offline / None streaming).
-
-    Offline: the shards written (a dataset stopped by its time limit trains the whole
-    shards it has). Streaming: every planned shard; this waits for the producer's plan and
-    for the window's shards (asking for them), within ``stream.producer_timeout``."""
-    root, listed = Path(data), None
-    if stream is None:
-        open_dataset(data, dtype=dtype, check_shards=False)  # checks the whole dataset once
-        listed = {k: v for k, v in listed_shards(data).items() if v["sample_ids"]}
-        all_shards = sorted(listed)
-        count = len(all_shards) if fit_shards is None else fit_shards
-    else:
-        stream.check()
-        streams = StreamDir(root)
-        streams.want(0, [])  # the trainer is here: a waiting producer sees it
-        planned = streams.wait_until(
-            lambda: planned_shards(root) if (root / "plan.json").is_file() else None,
-            "the producer's plan.json", stream.producer_timeout,
-        )  # fmt: skip
-        all_shards = list(range(len(planned)))
-        count = stream.shards if fit_shards is None else fit_shards
-        if count > stream.shards:
-            raise DatasetError(
-                f"data.fit_shards: {count} > data.stream.shards {stream.shards}: the trainer "
-                "would wait for more shards than the producer may write; give at most "
-                f"{stream.shards}"
-            )
-    if count < 1 or not all_shards:
-        raise DatasetError(f"data.fit_shards: {count}; give at least 1 (dataset {data})")
-    window = all_shards[:count]
-    if stream is not None:
-        cut = streams.closed()  # a resumed run: the producer's time limit cut the data
-        window = [k for k in all_shards if cut is None or k in cut][:count]
-        streams.want(0, window)
-        for k in window:
-            streams.wait_until(
-                lambda k=k: shard_ready(root, k) or (CUT if k not in (streams.closed() or {k})
-                                                     else None),
-                f"shard {k}", stream.producer_timeout, stop=lambda: streams.want(0, window),
-            )  # fmt: skip
-        window = [k for k in window if sidecar(root, k) is not None]
-    infos = [listed[k] if listed is not None else sidecar(root, k) for k in window]
-    ds = HiddenStatesDataset(root, dtype, check_shards=check_shards, shard_infos=infos)
-    return ds, all_shards, listed
-
-
-def _one_shard(
+def one_shard(
     root: Path, info: dict[str, Any], dtype: torch.dtype = torch.float32, check: bool = False
 ) -> HiddenStatesDataset:
     return HiddenStatesDataset(root, dtype, check_shards=check, shard_infos=[info])
