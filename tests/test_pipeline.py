@@ -480,3 +480,49 @@ def test_streamed_pipeline_trains_the_offline_head_through_a_killed_producer(
     assert offline.keys() == streamed.keys()
     for key, value in offline.items():
         torch.testing.assert_close(streamed[key], value, rtol=0, atol=0, msg=key)
+    recapture_replays_the_kept_replies(dataset, tmp_path / "recapture.log")
+
+
+def recapture_replays_the_kept_replies(dataset: Path, log: Path) -> None:
+    """A streamed shard written again (``recapture``, or asked for again on resume) is
+    captured by one prefill of the greedy replies kept at its first capture: the same
+    tokens and masks, the same states up to kernel rounding, no prompt answered again."""
+    import subprocess
+    import sys
+    import time
+
+    import torch
+    from safetensors.torch import load_file
+
+    from draftsmith.dataset.stream import StreamDir
+
+    shard, sidecar = dataset / "shard-00000.safetensors", dataset / "shard-00000.json"
+    assert json.loads(sidecar.read_text())["captured_by"] == "generation"
+    kept = json.loads((dataset / "replies" / "shard-00000.json").read_text())
+    first = load_file(shard)
+    ends = first["sample_offsets"].tolist()
+    assert [r["input_ids"] for r in kept["sequences"]] == [
+        first["input_ids"][a:b].tolist() for a, b in zip(ends, ends[1:], strict=False)
+    ]
+    shard.unlink()
+    sidecar.unlink()
+    (dataset / "stream" / "finished.json").unlink()
+    stream = StreamDir(dataset)
+    stream.want(0, [0])
+    command = [sys.executable, "-m", "draftsmith.cli", "extract", "--config",
+               str(dataset / "stage.yaml"), "--stream", "true"]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not sidecar.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stream.finish()
+    assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    assert json.loads(sidecar.read_text())["captured_by"] == "prefill"
+    again = load_file(shard)
+    assert first.keys() == again.keys()
+    for key, value in first.items():
+        if value.is_floating_point():
+            torch.testing.assert_close(again[key], value, rtol=1e-3, atol=1e-3, msg=key)
+        else:
+            assert torch.equal(again[key], value), key

@@ -53,8 +53,9 @@ class StreamOptions:
     policy: Literal["keep", "recapture", "drop"] = "keep"
     """After an epoch: keep (later epochs read the kept shards; disk grows to the whole
     dataset after the first epoch), recapture (each shard is deleted after use and
-    extracted again next epoch; disk stays bounded, extraction runs every epoch), or drop
-    (deleted after use; one epoch, whatever max_epochs says)."""
+    captured again next epoch, by one prefill of the replies kept at its first capture;
+    disk stays bounded, a capture runs every epoch), or drop (deleted after use; one epoch,
+    whatever max_epochs says)."""
     producer_timeout: float = 300.0
     """Seconds without a producer heartbeat, while the trainer waits for a shard, before
     the run stops naming the producer (it died, or none was started)."""

@@ -25,6 +25,7 @@ from draftsmith.core.targets import (
     read_target,
     validate_layer_ids,
 )
+from draftsmith.extract import replies
 from draftsmith.extract.config import ExtractConfig
 from draftsmith.extract.engines import LazyEngine
 
@@ -162,7 +163,7 @@ def run(cfg: ExtractConfig) -> dict:
         todo = [k for k in todo if k in repaired]
     written = {}
     if cfg.regenerate and cfg.temperature > 0:
-        written = _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output)
+        written = replies.write_sampled(writer, tokenizer, todo, shards, by_id, cfg, output)
     writer.close()
     engine = LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
     job = ShardJob(engine, tokenizer, shards, by_id, written, cfg, output, target, layer_ids,
@@ -222,6 +223,10 @@ class ShardJob:
 
         shard_start, output = time.monotonic(), self.output
         sequences, shard_skips = self.written.get(k, (None, SkipLog()))
+        kept = replies.path(output, k)  # a streamed shard's greedy replies, once written
+        replay = self.cfg.stream and self.cfg.regenerate and sequences is None
+        if replay and kept.is_file():
+            sequences, shard_skips = replies.load(kept, self.by_id)
         samples = capture.capture_shard(
             self.engine.get(),
             self.tokenizer,
@@ -230,6 +235,22 @@ class ShardJob:
             shard_skips,
             written=sequences,
         )
+        if replay and sequences is None:  # answered in this pass: keep the replies' ids
+            rows = [
+                replies.row(
+                    x["id"],
+                    x["input_ids"].tolist(),
+                    x["loss_mask"].tolist(),
+                    x["turn"],
+                    x["shared"],
+                )
+                for x in samples
+                if not self.by_id[x["id"]].input_ids  # kept replies are planned ids already
+            ]
+            replies.save(kept, rows, shard_skips)
+        # generation: the target answered in the capturing pass; prefill: every sequence
+        # was final before it (kept replies, sampled ones, or a streamed shard's own)
+        captured_by = "generation" if self.cfg.regenerate and sequences is None else "prefill"
         info = write_shard(output / manifest.shard_name(k), samples, self.cfg.dtype)
         write_json_atomic(
             manifest.sidecar_path(output, k),
@@ -241,48 +262,13 @@ class ShardJob:
                 "samples_by_turn": _by_turn(samples),
                 "unique_tokens": info.tokens - sum(s.get("shared", 0) for s in samples),
                 "seconds": round(time.monotonic() - shard_start, 3),
+                "captured_by": captured_by,
                 "skipped": shard_skips.to_dict()["rows"],
                 "truncated": shard_skips.truncated,  # conversations cut to the rounds that fit
             },
         )
         manifest.build_manifest(output, self.target, self.layer_ids, self.config)
         return info.tokens
-
-
-def _write_replies(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
-    """Sampled replies for the shards to do, written by a plain engine, cached per shard."""
-    from draftsmith.core.files import write_json_atomic
-    from draftsmith.extract import sample_plan as plan
-    from draftsmith.extract.capture import write_replies
-
-    cache = output / "replies"
-    written = {}
-    for k in todo:
-        path = cache / f"shard-{k:05d}.json"
-        if not path.is_file():
-            skips = SkipLog()
-            items = plan.shard_items(shards[k], by_id)
-            seqs = write_replies(writer.get(), tokenizer, items, cfg, skips)
-            cache.mkdir(parents=True, exist_ok=True)
-            rows = [
-                {
-                    "id": it.id,
-                    "input_ids": ids,
-                    "loss_mask": m,
-                    "turn": it.turn,
-                    "shared": it.shared,
-                }
-                for it, ids, m in seqs
-            ]
-            write_json_atomic(path, {"sequences": rows, "skipped": skips.to_dict()})
-        data = json.loads(path.read_text())
-        skips = SkipLog()
-        for row in data["skipped"]["rows"]:
-            skips.add(row["id"], None, row["reason"], row.get("detail", ""))
-        skips.truncated = data["skipped"].get("truncated", 0)
-        seqs = [(_cached_item(by_id, r), r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
-        written[k] = (seqs, skips)
-    return written
 
 
 def _by_turn(samples: list[dict]) -> dict[str, int]:
@@ -292,16 +278,6 @@ def _by_turn(samples: list[dict]) -> dict[str, int]:
         if sample.get("turn") is not None:
             counts[str(sample["turn"])] = counts.get(str(sample["turn"]), 0) + 1
     return counts
-
-
-def _cached_item(by_id: dict, row: dict):
-    """The item of one cached written sequence (a turn item for a per-turn sample)."""
-    from draftsmith.extract.sample_plan import turn_item
-
-    item = by_id[row["id"]]
-    if row.get("turn") is None or item.turn is not None:
-        return item
-    return turn_item(item, row["turn"], row.get("shared", 0))
 
 
 def _self_count(spec: str) -> int:
