@@ -54,3 +54,16 @@ def test_nested_logs_switch_files_and_restore(tmp_path, capfd, monkeypatch):
     assert outer.read_text().split() == ["outer", "1", "outer", "2"]
     assert inner.read_text().strip() == "inner"
     assert "still the user's" in capfd.readouterr().out
+
+
+def test_the_training_bar_ends_where_the_time_cap_does(monkeypatch):
+    """100 steps in 50 s with 60 s left: the cap ends at step 220, not at the 5,600 planned;
+    a plan shorter than that stays the end."""
+    from draftsmith.train import progress
+
+    monkeypatch.setattr(progress.time, "monotonic", lambda: 1050.0)
+    start = (1000.0, 0)
+    assert progress.capped_total(5600, 100, 60.0, start) == 220
+    assert progress.capped_total(150, 100, 60.0, start) == 150
+    assert progress.capped_total(None, 100, 60.0, start) == 220
+    assert progress.capped_total(5600, 0, 60.0, start) == 5600  # no rate yet

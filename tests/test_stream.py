@@ -302,7 +302,12 @@ def test_a_producers_time_limit_closes_the_stream_after_whole_shards(source, tmp
 
     stream, job = StreamDir(dest), Job()
     stream.want(0, [0, 1, 2])
-    loop = threading.Thread(target=producer.serve, args=(job,), daemon=True)
+
+    def serve() -> None:
+        with producer.Pulse(stream, 0) as pulse:
+            producer.serve(job, pulse)
+
+    loop = threading.Thread(target=serve, daemon=True)
     loop.start()
     deadline = time.monotonic() + 20
     try:
@@ -317,3 +322,26 @@ def test_a_producers_time_limit_closes_the_stream_after_whole_shards(source, tmp
         stream.finish()
         loop.join(timeout=10)
     assert not loop.is_alive() and job.written == [0, 0]
+
+
+def test_a_producer_beats_while_it_prepares_and_a_raise_fails_the_stream(tmp_path):
+    """Writing prompts or one long shard can outlast the trainer's producer_timeout: the
+    heartbeat comes from a thread, and stops with the producer; an error at any point
+    (here, before the first shard) stops the trainer naming it."""
+    from draftsmith.core.errors import DatasetError
+    from draftsmith.extract.producer import Pulse
+
+    stream = StreamDir(tmp_path)
+    with pytest.raises(DatasetError), Pulse(stream, 0, period=0.02) as pulse:
+        pulse.set(state="writing 768 prompts")
+        first = stream.producers()[0]
+        time.sleep(0.3)  # no word from the producer's own code
+        now = stream.producers()[0]
+        assert now["time"] > first["time"] and now["state"] == "writing 768 prompts"
+        raise DatasetError("data: p.jsonl row 3: no user turn")
+    assert stream.failure() == "producer w0: data: p.jsonl row 3: no user turn"
+    last = stream.producers()[0]["time"]
+    time.sleep(0.1)
+    assert stream.producers()[0]["time"] == last  # the beat stopped with the producer
+    with pytest.raises(DatasetError, match="the producer stopped: producer w0: data: p.jsonl"):
+        stream.wait_for(0, timeout=5.0)

@@ -81,7 +81,18 @@ def staging_dir(cfg: ExtractConfig, output: Path) -> Path:
 
 
 def run(cfg: ExtractConfig) -> dict:
-    """Extract (or resume) the dataset described by `cfg`; return its manifest."""
+    """Extract (or resume) the dataset described by `cfg`; return its manifest. A streaming
+    producer beats from its start (prompts and planning can outlast the trainer's wait)."""
+    if not cfg.stream:
+        return _run(cfg, None)
+    from draftsmith.dataset.stream import StreamDir
+    from draftsmith.extract.producer import Pulse
+
+    with Pulse(StreamDir(cfg.output), cfg.worker) as pulse:
+        return _run(cfg, pulse)
+
+
+def _run(cfg: ExtractConfig, pulse) -> dict:
     from transformers import AutoTokenizer
 
     from draftsmith.dataset import manifest
@@ -146,7 +157,11 @@ def run(cfg: ExtractConfig) -> dict:
             )
         count = sum(_self_count(s) for s in self_specs)
         say(f"extract: the target writes {count} prompts (vLLM, pre-query sampling)")
+        if pulse is not None:
+            pulse.set(state=f"writing {count} prompts")
         convs += write_prompts(writer, tokenizer, count, cfg.seed, output / "prompts.self.jsonl")
+    if pulse is not None:
+        pulse.set(state="planning shards")
     items = plan.plan_items(convs, tokenizer, cfg, skips)
     if not items:
         raise DataError(f"data: {cfg.data} gave no usable conversation ({skips.by_reason()})")
@@ -168,10 +183,10 @@ def run(cfg: ExtractConfig) -> dict:
     engine = LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
     job = ShardJob(engine, tokenizer, shards, by_id, written, cfg, output, target, layer_ids,
                    config)  # fmt: skip
-    if cfg.stream:
+    if pulse is not None:
         from draftsmith.extract.producer import serve
 
-        return serve(job)
+        return serve(job, pulse)
     if todo:
         verb = "reusing the running" if engine.reused else "starting"
         say(f"extract: {verb} vLLM ({target.path}, layers {layer_ids})")

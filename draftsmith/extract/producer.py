@@ -3,9 +3,12 @@
     draftsmith extract --config configs/extract/smollm2.yaml --output /shared/ds --stream true
 
 The protocol is ``draftsmith.dataset.stream``. This loop reads what the trainer ranks want
-(their order, at most their disk bound ahead), writes the first wanted shard of its own
-(``k % workers == worker``) that is not on disk, and beats after each shard and while it
-waits, with its rates, so the trainer's progress can say which side starves. It ends when
+(their order, at most their disk bound ahead) and writes the first wanted shard of its own
+(``k % workers == worker``) that is not on disk. Its heartbeat (:class:`Pulse`) beats from
+a thread from the moment extraction starts, with its state and rates, so the trainer can
+tell a producer that writes prompts or one long shard from a dead one, and its progress
+can say which side starves; a producer that raises, at any point, fails the stream with
+its error. It ends when
 the trainer says it finished, or after ``trainer_timeout`` seconds without a word from it.
 With ``time_limit`` it starts no new shard that would end past it and closes the dataset
 at the shards written (``stream/closed-w<i>.json``): training goes on over those, as it
@@ -19,6 +22,7 @@ give each producer ``--workers W --worker i``.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -27,15 +31,53 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.dataset import manifest
 from draftsmith.dataset.stream import POLL_S, StreamDir, sidecar
 
+PULSE_S = 5.0  # seconds between heartbeats; the trainer's producer_timeout is 300 s
 
-def serve(job: Any) -> dict:
+
+class Pulse:
+    """A producer's heartbeat, written every ``period`` s by a thread whatever the producer
+    is doing (writing prompts, planning, one long shard); :meth:`set` changes what it says.
+    Leaving the ``with`` block on an error writes ``stream/failed.json`` with it, so the
+    trainer stops naming it instead of waiting out its timeout."""
+
+    def __init__(self, stream: StreamDir, worker: int, period: float = PULSE_S) -> None:
+        self.stream, self.worker, self.period = stream, worker, period
+        self.state: dict[str, Any] = {"state": "starting"}
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="producer-pulse", daemon=True)
+
+    def __enter__(self) -> Pulse:
+        self.set(state="starting")
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        self._stop.set()
+        self._thread.join()
+        if err is not None:
+            why = str(err) if isinstance(err, DraftsmithError) else f"{kind.__name__}: {err}"
+            self.stream.fail(f"producer w{self.worker}: {why}")
+
+    def set(self, **state: Any) -> None:
+        """Say ``state`` now, and on every beat after."""
+        with self._lock:
+            self.state = state
+            self.stream.beat(self.worker, **state)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            with self._lock:
+                self.stream.beat(self.worker, **self.state)
+
+
+def serve(job: Any, pulse: Pulse) -> dict:
     """Produce for the trainer until it finishes (``job``: extract's ``ShardJob``); returns
     the manifest as it stands at the end."""
     cfg, output = job.cfg, job.output
     stream = StreamDir(output)
     stats: dict[str, Any] = {"state": "starting", "shards_written": 0, "tokens": 0,
                              "busy_s": 0.0, "waiting_s": 0.0}  # fmt: skip
-    stream.beat(cfg.worker, **stats)
+    pulse.set(**stats)
     started = time.monotonic()
     try:
         job.engine.get()
@@ -64,25 +106,19 @@ def serve(job: Any) -> dict:
                 t0 = time.monotonic()
                 time.sleep(POLL_S)
                 stats["waiting_s"] += time.monotonic() - t0
-                stream.beat(cfg.worker, **{**stats, "state": "waiting for the trainer"})
+                pulse.set(**{**stats, "state": "waiting for the trainer"})
                 continue
             k = mine[0]
-            stream.beat(cfg.worker, **{**stats, "state": f"writing shard {k}"})
+            pulse.set(**{**stats, "state": f"writing shard {k}"})
             t0 = time.monotonic()
             stats["tokens"] += job.extract(k)
             stats["busy_s"] += time.monotonic() - t0
             stats["shards_written"] += 1
             stats["tok_s"] = round(stats["tokens"] / max(stats["busy_s"], 1e-9), 1)
-            stream.beat(cfg.worker, **{**stats, "state": f"wrote shard {k}"})
-    except DraftsmithError as err:
-        stream.fail(f"producer w{cfg.worker}: {err}")
-        raise
-    except BaseException as err:  # a crash: the trainer stops naming it, never hangs
-        stream.fail(f"producer w{cfg.worker}: {type(err).__name__}: {err}")
-        raise
+            pulse.set(**{**stats, "state": f"wrote shard {k}"})
     finally:
         job.engine.close()
-    stream.beat(cfg.worker, **{**stats, "state": "finished"})
+    pulse.set(**{**stats, "state": "finished"})
     say(
         f"extract: producer wrote {stats['shards_written']} shards, {stats['tokens']:,} tokens "
         f"in {stats['busy_s']:.0f} s; waited {stats['waiting_s']:.0f} s for the trainer"

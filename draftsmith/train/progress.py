@@ -2,11 +2,13 @@
 
 Lightning's own bar writes to stderr, which a quiet stage sends to its log file; this one
 writes where :func:`draftsmith.core.console.say` does. Under ``trainer.max_time`` the bar's
-end is whichever comes first, the step count or the time cap.
+end is whichever comes first, the step count or the time cap (the steps the cap leaves at
+the rate so far), so its time left is the run's.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -20,13 +22,16 @@ class ConsoleProgress(Callback):
 
     def __init__(self) -> None:
         self.bar = None
+        self.planned: int | None = None
+        self.start: tuple[float, int] = (0.0, 0)  # (time, global step) at the fit's start
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
         total_steps = getattr(pl_module, "total_steps", None)
-        total = total_steps() if callable(total_steps) else None
-        self.bar = progress(total, "train", unit="step", initial=trainer.global_step)
+        self.planned = total_steps() if callable(total_steps) else None
+        self.start = (time.monotonic(), trainer.global_step)
+        self.bar = progress(self.planned, "train", unit="step", initial=trainer.global_step)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, idx: int
@@ -46,9 +51,21 @@ class ConsoleProgress(Callback):
         left = timer.time_remaining("train") if timer is not None else None
         if left is not None:
             post["cap_left"] = f"{left / 60:.1f}min"
+            self.bar.total = capped_total(self.planned, trainer.global_step, left, self.start)
         self.bar.set_postfix(post, refresh=False)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def capped_total(planned: int | None, step: int, left_s: float, start: tuple[float, int]) -> int:
+    """The step the time cap ends at, at the step rate since ``start`` (time, step); never
+    past ``planned``."""
+    t0, step0 = start
+    elapsed, done = time.monotonic() - t0, step - step0
+    if done <= 0 or elapsed <= 0:
+        return planned if planned is not None else step
+    projected = step + int(left_s * done / elapsed)
+    return min(planned, projected) if planned is not None else projected
