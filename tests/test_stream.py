@@ -64,6 +64,7 @@ class Replay(threading.Thread):
         self.closed: set[int] | None = None
         self.stream = StreamDir(dest)
         self.written: list[int] = []
+        self.asked: list[tuple[int, int]] = []  # (shard written, the epoch asking for it)
         self.high_water = 0  # most unconsumed shards on disk, counted as each is written
         self.halt = threading.Event()
         dest.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,9 @@ class Replay(threading.Thread):
             shutil.copy(self.src / shard_file(k), self.dest / shard_file(k))
             shutil.copy(self.src / sidecar_file(k), self.dest / sidecar_file(k))
             self.written.append(k)
+            self.asked.append(
+                (k, json.loads((self.stream.dir / "want-r0.json").read_text()).get("epoch"))
+            )
 
 
 def fit(data: Path, out: Path, *extra: str) -> int:
@@ -180,6 +184,21 @@ def test_recapture_deletes_after_use_and_extracts_again(source, offline, tmp_pat
     # Validation samples sit in the first two shards: those are kept, the rest written twice.
     assert sorted(producer.written) == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert not (dest / shard_file(5)).exists() and (dest / sidecar_file(5)).exists()
+
+
+def test_recapture_asks_for_the_next_epochs_first_shards_while_the_epoch_ends(source, tmp_path):
+    """The producer captures epoch 1's first shard again beside epoch 0's last, within the
+    bound, and nothing is captured after the last epoch."""
+    dest = tmp_path / "ds"
+    producer = Replay(source, dest)
+    producer.start()
+    assert fit(dest, tmp_path / "run", "--data.stream.shards=2", "--data.val_fraction=0",
+               "--data.stream.policy=recapture") == 0  # fmt: skip
+    producer.join(timeout=10)
+    assert sorted(producer.written) == sorted(list(range(6)) * 2)  # 2 epochs, no third
+    # Epoch 1's first shard was asked for, and written again, while epoch 0 still read.
+    assert [epoch for k, epoch in producer.asked if k == 0][1] == 0, producer.asked
+    assert producer.high_water <= 2
 
 
 def test_drop_trains_each_shard_once(source, tmp_path):

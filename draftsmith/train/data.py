@@ -323,6 +323,7 @@ class StatesDataModule(pl.LightningDataModule):
             self.hidden_size,
             lambda: self.trainer.current_epoch if self.trainer else 0,
             self.stream,
+            lambda: self.trainer.max_epochs if self.trainer else None,
         )
         return ShardLoader(
             batches,

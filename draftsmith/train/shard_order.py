@@ -16,6 +16,9 @@ offline run over the same shards train the same rows in the same order:
 Streaming adds the producer (``draftsmith.dataset.stream``): before reading a shard the
 loader asks for it and for the next ones, up to this rank's share of the disk bound, waits
 for it, and afterwards deletes it unless the policy keeps it or it holds validation samples.
+Under ``recapture`` the last shards of an epoch are followed, in that list, by the next
+epoch's first ones (when another epoch comes), so the producer captures those again while
+the epoch ends rather than after it.
 """
 
 from __future__ import annotations
@@ -108,9 +111,11 @@ class ShardBatches(IterableDataset):
         hidden_size: int,
         current_epoch: Callable[[], int],
         stream: StreamOptions | None = None,
+        max_epochs: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, world
         self.hidden_size, self.current_epoch = hidden_size, current_epoch
+        self.max_epochs = max_epochs
         self.aux_layers, self.dtype, self.check_shards = aux_layers, dtype, check_shards
         self.stream = stream
         self.streams = StreamDir(plan.root) if stream else None
@@ -243,7 +248,7 @@ class ShardBatches(IterableDataset):
                 return info
         if not self._kept(index):
             return None
-        want = [k for k in ahead if self._kept(k)][: self.window] or [index]
+        want = self._next(ahead or [index])
         self._tell(want)
         started = time.monotonic()
         info = self.streams.wait_for(
@@ -273,8 +278,7 @@ class ShardBatches(IterableDataset):
         """Every few seconds, re-say what this rank wants (the producer's sign of life)."""
         if self.streams is None or time.monotonic() - self._beat < 5.0:
             return
-        ahead = [k for k in self.plan.shards if k not in self.read and self._kept(k)]
-        self._tell(want if want is not None else ahead[: self.window])
+        self._tell(want if want is not None else self._next(self._unread()))
 
     def _release(self, index: int, info: dict[str, Any]) -> None:
         if self.streams is None or self.stream.policy == "keep":
@@ -283,9 +287,21 @@ class ShardBatches(IterableDataset):
             return
         # Say first that it is no longer wanted, then delete it: a producer never reads a
         # list that still asks for a shard already gone.
-        ahead = [k for k in self.plan.shards if k not in self.read and self._kept(k)]
-        self._tell(ahead[: self.window])
+        self._tell([k for k in self._next(self._unread()) if k != index])
         self.streams.release(index)
+
+    def _unread(self) -> list[int]:
+        return [k for k in self.plan.shards if k not in self.read]
+
+    def _next(self, rest: list[int]) -> list[int]:
+        """What to ask for: the first ``window`` shards of ``rest`` (this epoch's, in
+        order), then under ``recapture``, when another epoch comes, the next epoch's first."""
+        want = [k for k in rest if self._kept(k)]
+        if self.stream.policy == "recapture" and len(want) < self.window:
+            last = self.max_epochs()
+            if last is None or last < 0 or self.epoch + 1 < last:
+                want += [k for k in self.plan.shards if self._kept(k) and k not in want]
+        return want[: self.window]
 
     def _kept(self, index: int) -> bool:
         """Is shard ``index`` in the dataset: always, until a producer's time limit closes
