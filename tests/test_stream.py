@@ -87,9 +87,11 @@ class Replay(threading.Thread):
             if self.die_after is not None and len(self.written) >= self.die_after:
                 return  # dies for good: no more heartbeats
             k = todo[0]
-            # Unconsumed: on disk, at or past the earliest shard a rank still needs.
+            # Unconsumed: on disk and still wanted (a shard read in full is deleted just
+            # after the trainer stops asking for it; under recapture the list wraps to the
+            # next epoch's first shards, so plan position alone cannot tell).
             ahead = {int(p.stem.split("-")[1]) for p in self.dest.glob("shard-*.safetensors")}
-            ahead = {i for i in ahead if i >= min(wanted)} | {k}
+            ahead = {i for i in ahead if i in wanted} | {k}
             self.high_water = max(self.high_water, len(ahead))
             shutil.copy(self.src / shard_file(k), self.dest / shard_file(k))
             shutil.copy(self.src / sidecar_file(k), self.dest / sidecar_file(k))
