@@ -91,3 +91,28 @@ class StepMarker(Callback):
 
         Path(self.path).write_text(str(trainer.global_step))
         time.sleep(self.pause)
+
+
+class SigtermAtStep(Callback):
+    """Sends SIGTERM to this process's whole process group (as ``timeout`` does, DataLoader
+    workers included) once ``global_step == step``, in ``on_train_batch_end``; with
+    ``in_validation`` instead at the first validation batch at or after that step."""
+
+    def __init__(self, step: int, in_validation: bool = False) -> None:
+        self.step, self.in_validation, self.sent = step, in_validation, False
+
+    def _send(self, trainer) -> None:
+        import os
+        import signal
+
+        if not self.sent and trainer.global_step >= self.step:
+            self.sent = True
+            os.killpg(os.getpgrp(), signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if not self.in_validation:
+            self._send(trainer)
+
+    def on_validation_batch_end(self, trainer, *args) -> None:
+        if self.in_validation and not trainer.sanity_checking:
+            self._send(trainer)

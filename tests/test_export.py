@@ -374,10 +374,10 @@ def test_checkpoints_load_without_running_code(tmp_path, capsys):
 
     torch.save({"state_dict": {}, "payload": Payload()}, tmp_path / "evil.ckpt")
     (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint at all")
-    for name, said in (("evil.ckpt", "holds a type draftsmith does not load"),
-                       ("junk.ckpt", "is not a readable checkpoint")):  # fmt: skip
+    for name, said in (("evil.ckpt", "not plain tensors"),
+                       ("junk.ckpt", "is not a whole torch file")):  # fmt: skip
         code = cli_main(["export", f"--checkpoint={tmp_path / name}", f"--output={tmp_path / 'o'}"])
         err = capsys.readouterr().err.strip()
         assert code == 2 and "\n" not in err and said in err, err
-        assert err.startswith(f"draftsmith export: error: checkpoint: {tmp_path / name}")
+        assert err.startswith(f"draftsmith export: error: {tmp_path / name}: ")
     assert not marker.exists()

@@ -141,7 +141,7 @@ def test_head_config_that_is_not_an_object(capsys, tmp_path, tiny_model_dir, cha
     (head / "config.json").write_text("[1, 2]")
     args = ["eval", f"--model={tiny_model_dir}", f"--head={head}", f"--datasets=[{chats}]"]
     err = one_error(capsys, [*args, f"--output={tmp_path / 'o'}", "--wandb=false"])
-    assert "config.json holds a JSON list, expected an object" in err
+    assert "config.json: holds a list, not an object" in err
 
 
 def test_checkpoint_directory_that_is_not_deepspeed(capsys, tmp_path):
@@ -272,3 +272,46 @@ def test_sweep_bad_outputs(capsys, monkeypatch, tmp_path, tiny_model_dir, tiny_d
     assert snapshot(planted) == before
     if case == "unwritable":
         assert not out.exists()
+
+
+# ----- options vLLM would refuse are refused before any engine starts ---------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "said"),
+    [
+        ("eval", "--temperatures=[-1]", "temperatures: -1"),
+        ("eval", "--temperatures=[]", "temperatures: empty"),
+        ("eval", "--k=[0]", "k: [0] out of range"),
+        ("eval", "--max_tokens=0", "max_tokens: 0 is out of range"),
+        ("eval", "--concurrency=0", "concurrency: 0 is out of range"),
+        ("eval", "--engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization: 1.5"),
+        ("eval", "--engine.max_num_seqs=0", "engine.max_num_seqs: 0 is out of range"),
+        ("extract", "--temperature=-0.5", "temperature: -0.5 is not a temperature"),
+        ("extract", "--seed=-1", "seed: -1 is out of range"),
+        ("extract", "--engine.tensor_parallel_size=0", "engine.tensor_parallel_size: 0"),
+    ],
+)
+def test_options_vllm_would_refuse_are_ours_to_refuse(
+    capsys, tmp_path, tiny_model_dir, chats, command, option, said, monkeypatch
+):
+    import vllm
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine started before the options were checked")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    data = "--data" if command == "extract" else "--datasets"
+    args = [command, f"--model={tiny_model_dir}", f"{data}=[{chats}]", option]
+    err = one_error(capsys, [*args, f"--output={tmp_path / 'o'}"])
+    assert said in err and not (tmp_path / "o").exists(), err
+
+
+def test_pipeline_refuses_an_eval_temperature_before_extracting(capsys, tmp_path, tiny_model_dir):
+    err = one_error(
+        capsys,
+        ["pipeline", f"--config={PIPELINE_TINY}", f"--output={tmp_path / 'p'}",
+         f"--model={tiny_model_dir}", "--eval.temperatures=[-1]"],
+    )  # fmt: skip
+    assert "eval.temperatures: -1" in err or "temperatures: -1" in err
+    assert not (tmp_path / "p").exists()

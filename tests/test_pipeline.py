@@ -399,7 +399,7 @@ def test_dry_run_checks_the_target_and_bad_input_is_one_line(tmp_path, tiny_mode
     cases = [
         ([*base, "--extract.layer_ids", "[2, 99]"], "extract.layer_ids: [99] out of range"),
         ([*base, "--train.model.draft_vocab_size", "10000000"], "larger than the target's"),
-        ([*base, f"--model={broken}"], "config.json is not valid JSON"),
+        ([*base, f"--model={broken}"], "config.json: is not valid JSON"),
         ([*base, "--train.model.kind", "eagle9"], "'eagle9' is not a choice; use one of ["),
         ([*base, "--eval.method", "eagle9"], "'eagle9' is not a choice; use one of ["),
     ]

@@ -252,3 +252,54 @@ def test_bad_configs_say_what_to_fix(tmp_path, tiny_dataset, make_tiny_llama, ca
         assert re.search(expected, err[0]), (name, err[0])
     with pytest.raises(CheckpointError, match="does not exist"):
         read_checkpoint(tmp_path / "none.ckpt")
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory, tiny_dataset) -> Path:
+    """A finished one-epoch run of the tiny recipe: its ``ckpt/last.ckpt`` to resume."""
+    out = tmp_path_factory.mktemp("resume") / "run"
+    train_main(fit_args(tiny_dataset, out, "--trainer.max_epochs=1"))
+    return out / "ckpt" / "last.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        ("--model.kind=dflash", "model.kind='eagle3', this run says 'dflash'"),
+        ("--model.ttt_steps=5", "model.ttt_steps=3, this run says 5"),
+        ("--model.draft_vocab_size=1024", "model.draft_vocab_size=2048, this run says 1024"),
+    ],
+)
+def test_a_resume_refuses_an_option_that_changes_what_is_trained(
+    one_epoch, tiny_dataset, tmp_path, capsys, option, named
+):
+    args = fit_args(tiny_dataset, tmp_path, "--trainer.max_epochs=2", option)
+    code = cli_main(["train", *args, f"--ckpt_path={one_epoch}"])
+    lines = [x for x in capsys.readouterr().err.splitlines() if not x.startswith("INFO:")]
+    assert code == 2 and len(lines) == 1 and named in lines[0], lines
+    assert "--ckpt_path" in lines[0] and not (tmp_path / "ckpt").exists()
+
+
+def test_a_resume_applies_a_new_learning_rate_and_says_so(
+    one_epoch, tiny_dataset, tmp_path, capsys
+):
+    args = fit_args(tiny_dataset, tmp_path, "--trainer.max_epochs=2", "--model.lr=1e-3")
+    assert cli_main(["train", *args, f"--ckpt_path={one_epoch}"]) == 0
+    resumed = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert resumed["lr_schedulers"][0]["base_lrs"] == [1e-3]  # not the checkpoint's 3e-3
+    assert resumed["optimizer_states"][0]["param_groups"][0]["initial_lr"] == 1e-3
+    from draftsmith.train.resume import apply_changes
+
+    saved = torch.load(one_epoch, weights_only=False)
+    said = apply_changes(
+        saved, saved["hyper_parameters"], {**saved["hyper_parameters"], "lr": 1e-3}
+    )
+    assert said == "resuming with model.lr 0.003 -> 0.001 (applied from this step on)"
+
+
+def test_init_from_a_target_says_what_it_is(tiny_dataset, tiny_model_dir, tmp_path, capsys):
+    args = fit_args(tiny_dataset, tmp_path, f"--model.init_from={tiny_model_dir}")
+    assert cli_main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "is a model with 8 decoder layers (LlamaForCausalLM), not a draft head" in err
+    assert "fc 2H" not in err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -268,6 +269,14 @@ def jsonl_rows(
     Lines are read as bytes and decoded one at a time, so a byte the encoding cannot
     decode is a one-line :class:`DataError` naming the file, the line, the byte offset
     and the encoding (never a traceback)."""
+    try:
+        yield from _jsonl_lines(path, opener, label, encoding)
+    except (OSError, EOFError, zlib.error) as err:  # a .gz cut short, not gzip at all
+        raise DataError(f"{path}: cannot be read ({type(err).__name__}: {err}); "
+                        "give a whole .jsonl or .jsonl.gz file") from None  # fmt: skip
+
+
+def _jsonl_lines(path: Path, opener: Any, label: str, encoding: str) -> Iterator:
     offset = 0
     with opener(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):

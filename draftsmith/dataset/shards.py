@@ -30,6 +30,9 @@ import torch
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import write_atomic
+from draftsmith.core.readers import check_shape, parse_json, read_bytes_head
+
+SHARD_FIX = "delete it and its .json sidecar, then re-run the same `draftsmith extract` command"
 
 FORMAT = "draftsmith.hidden_states"
 STORAGE_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
@@ -264,33 +267,40 @@ class TensorSpec:
 
 def read_header(path: Path) -> tuple[dict[str, TensorSpec], dict[str, str]]:
     """Parse a safetensors header: ``({name: spec with absolute start}, __metadata__)``."""
+    read_bytes_head(path, "shard", SHARD_FIX)
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise DatasetError(f"{path}: too short to be a safetensors file")
+            raise DatasetError(f"{path}: too short to be a safetensors file ({SHARD_FIX})")
         (length,) = struct.unpack("<Q", raw)
         if length > min(size - 8, MAX_HEADER_BYTES):
-            raise DatasetError(f"{path}: header length {length} does not fit the file")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DatasetError(f"{path}: unreadable safetensors header ({exc})") from exc
+            raise DatasetError(
+                f"{path}: header length {length} does not fit the file of {size} bytes; the "
+                f"shard is cut short or not a safetensors file ({SHARD_FIX})"
+            )
+        header = parse_json(f.read(length), path, "shard", SHARD_FIX)
+    check_shape(header, path, "shard", SHARD_FIX)
     data_start = 8 + length
     metadata = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, entry in header.items():
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
-            raise DatasetError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = entry["data_offsets"]
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise DatasetError(
+                f"{path}: tensor {name!r} has a malformed header entry {entry!r} ({SHARD_FIX})"
+            ) from None
         if end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
             raise DatasetError(
                 f"{path}: tensor {name} {list(shape)} has inconsistent "
-                f"data_offsets {[begin, end]} (file of {size} bytes)"
+                f"data_offsets {[begin, end]} (file of {size} bytes; {SHARD_FIX})"
             )
         tensors[name] = TensorSpec(dtype, shape, data_start + begin)
+    if not isinstance(metadata, dict):
+        raise DatasetError(f"{path}: its __metadata__ is not an object ({SHARD_FIX})")
     return tensors, metadata
 
 

@@ -25,7 +25,6 @@ producer killed mid-shard leaves nothing a trainer reads; the next one writes it
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from draftsmith.core.cores import allowed_cores
-from draftsmith.core.errors import DatasetError
+from draftsmith.core.errors import DatasetError, DraftsmithError
 from draftsmith.core.files import write_json_atomic
+from draftsmith.core.readers import read_json_or
 
 STREAM_DIR = "stream"
 POLICIES = ("keep", "recapture", "drop")
@@ -87,15 +87,21 @@ def planned_shards(root: Path) -> list[list[str]]:
             f"{root}: no plan.json; a streamed dataset is planned by its producer "
             f"(`draftsmith extract --stream true --output {root}`), which has not run yet"
         )
-    return json.loads(plan.read_text())["shards"]
+    from draftsmith.dataset.manifest import read_plan  # manifest imports shards, not this
+
+    return read_plan(root)["shards"]
 
 
 def sidecar(root: Path, index: int) -> dict[str, Any] | None:
     """What the producer recorded about shard ``index`` (None: not written yet)."""
+    from draftsmith.dataset.manifest import read_sidecar
+
     path = root / sidecar_file(index)
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return read_sidecar(path)  # written whole (atomically), or not yet
+    except DraftsmithError:
+        if path.exists():
+            raise  # there, but damaged
         return None
 
 
@@ -258,7 +264,4 @@ class StreamDir:
 
 
 def _read(path: Path, default: Any) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return default
+    return read_json_or(path, default)

@@ -3,6 +3,7 @@
     eagle3/   EAGLE-3, with P-EAGLE as its parallel-drafting option
     eagle1/   EAGLE-1
     dflash/   DFlash
+    dspark/   DSpark (DFlash-style block + Markov head + confidence head)
 
 What kinds share lives once beside them: ``layers`` (norms, rope, attention), ``llama`` (the
 Llama-style head base), ``ttt`` and ``ttt_objective`` (training-time test), ``loss`` (the
@@ -24,6 +25,7 @@ from typing import Any
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.dflash import DFlash
+from draftsmith.drafters.dspark import DSpark
 from draftsmith.drafters.eagle1 import Eagle1
 from draftsmith.drafters.eagle3 import Eagle3
 from draftsmith.drafters.options import defaults, field_docs
@@ -170,3 +172,4 @@ def register(kind: type[Drafter]) -> type[Drafter]:
 register(Eagle3)
 register(Eagle1)
 register(DFlash)
+register(DSpark)

@@ -13,15 +13,14 @@ Each kind's ``layouts.py`` turns the files into its head; no kind imports anothe
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
+from draftsmith.core.readers import check_shape, read_json, read_safetensors, read_torch
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.headfiles import HeadError
 from draftsmith.drafters.target_weights import TargetWeights, load_target_weights
@@ -51,27 +50,62 @@ class HeadFacts:
     """The head's kind as the model card names it (EAGLE-3, EAGLE-1)."""
 
 
+FIX = "give the head's directory as published, or download it again"
+INDEX = "model.safetensors.index.json"
+
+
 def read_tensors(head_dir: Path) -> dict[str, Tensor]:
-    """Every tensor of a head directory: ``*.safetensors``, else ``pytorch_model.bin``."""
-    files = sorted(head_dir.glob("*.safetensors"))
+    """Every tensor of a head directory: the files a sharded index names, else every
+    ``*.safetensors``, else ``pytorch_model.bin`` (plain tensors only: no code runs)."""
+    index = head_dir / INDEX
+    if index.is_file():
+        weight_map = read_json(index, "safetensors index", FIX, keys=("weight_map",))["weight_map"]
+        check_shape(weight_map, index, "safetensors index", FIX)
+        files = sorted({head_dir / str(name) for name in weight_map.values()})
+    else:
+        files = sorted(head_dir.glob("*.safetensors"))
     tensors: dict[str, Tensor] = {}
     for f in files:
-        tensors.update(load_file(f))
+        tensors.update(read_safetensors(f, "head weights", FIX))
     if not files:
         binary = head_dir / "pytorch_model.bin"
         if not binary.is_file():
             raise HeadError(f"head: {head_dir} has no *.safetensors and no pytorch_model.bin")
-        tensors = torch.load(binary, map_location="cpu", weights_only=True)
+        tensors = read_torch(binary, "head pickle", FIX)
+        check_shape(tensors, binary, "head pickle", FIX)
+        if not all(isinstance(t, Tensor) for t in tensors.values()):
+            raise HeadError(f"head: {binary} holds values that are not tensors; {FIX}")
     return tensors
 
 
-def read_head_files(head_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """(``config.json``, every tensor) of a head directory."""
-    head_dir = Path(head_dir)
-    config_file = head_dir / "config.json"
+def read_head_config(head_dir: str | Path, fix: str = FIX) -> dict[str, Any]:
+    """A head directory's ``config.json`` (an object), refused in one line otherwise."""
+    config_file = Path(head_dir) / "config.json"
     if not config_file.is_file():
-        raise HeadError(f"head: {head_dir} has no config.json")
-    return json.loads(config_file.read_text()), read_tensors(head_dir)
+        raise HeadError(f"head: {head_dir} has no config.json; {fix}")
+    return read_json(config_file, "head config", fix)
+
+
+def read_head_files(head_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(``config.json``, every tensor) of a head directory; a whole model is refused."""
+    head_dir = Path(head_dir)
+    config, tensors = read_head_config(head_dir), read_tensors(head_dir)
+    if whole := whole_model(config, tensors):
+        raise HeadError(
+            f"head: {head_dir} is {whole}, not a draft head; give a head's directory (to start "
+            "a head from the target's own layers, use model.init_from_target: true)"
+        )
+    return config, tensors
+
+
+def whole_model(config: dict[str, Any], tensors: dict[str, Tensor]) -> str | None:
+    """ "a model with N decoder layers (ARCH)" when the files are a whole model's (its
+    embeddings and a stack of ``model.layers.*``, no draft head's ``fc``), else None."""
+    layers = {n.split(".")[2] for n in tensors if n.startswith("model.layers.")}
+    if "fc.weight" in tensors or "model.fc.weight" in tensors or len(layers) < 2:
+        return None
+    arch = (config.get("architectures") or ["?"])[0]
+    return f"a model with {len(layers)} decoder layers ({arch})"
 
 
 def check_shipped_embeddings(facts: HeadFacts, target: TargetInfo) -> TargetWeights | None:

@@ -8,15 +8,16 @@ of 8B. Tied embeddings (``tie_word_embeddings``, as SmolLM2) give the lm_head.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
+from draftsmith.core.readers import check_shape, open_safetensors, read_json
 from draftsmith.core.targets import TargetError, TargetInfo, resolve_model
+
+FIX = "restore the model's files, or point --model at another model directory"
 
 # Checkpoint names tried in order (plain Llama/Qwen, then multimodal wrappers).
 NAMES = {
@@ -41,7 +42,8 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index, "safetensors index", FIX, keys=("weight_map",))["weight_map"]
+        check_shape(weight_map, index, "safetensors index", FIX)
         return {name: model_dir / file for name, file in weight_map.items()}
     single = model_dir / "model.safetensors"
     if not single.is_file():
@@ -49,7 +51,7 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
             f"model: {model_dir} has no model.safetensors(.index.json); draftsmith reads the "
             "target's embeddings and lm_head from safetensors (convert .bin checkpoints first)."
         )
-    with safe_open(str(single), framework="pt") as f:
+    with open_safetensors(single, "target weights", FIX) as f:
         return {name: single for name in f.keys()}
 
 
@@ -67,7 +69,7 @@ def target_dir(model: str) -> Path:
 
 
 def _read(files: dict[str, Path], name: str, dtype: torch.dtype) -> Tensor:
-    with safe_open(str(files[name]), framework="pt") as f:
+    with open_safetensors(files[name], "target weights", FIX) as f:
         return f.get_tensor(name).to(dtype)
 
 

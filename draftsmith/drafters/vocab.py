@@ -53,11 +53,12 @@ def draft_vocab(counts: Tensor, size: int, always: list[int] | None = None) -> T
 
 def tokenizer_size(target: TargetInfo) -> int | None:
     """How many ids the target's tokenizer has (None when it cannot be read)."""
-    try:
-        from transformers import AutoTokenizer
+    from draftsmith.core.readers import ReadError
+    from draftsmith.core.targets import load_tokenizer
 
-        return len(AutoTokenizer.from_pretrained(target.path))
-    except Exception:  # no tokenizer files: no spare id is known
+    try:
+        return len(load_tokenizer(target.path))
+    except ReadError:  # no tokenizer files: no spare id is known
         return None
 
 

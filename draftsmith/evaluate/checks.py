@@ -7,15 +7,16 @@ acceptance, or fails deep inside the engine. These checks read only the head's
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 from draftsmith import drafters
+from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
+from draftsmith.drafters import headread
 from draftsmith.drafters.headfiles import HeadError
 
 MAX_K = 16
+REEXPORT = "re-export the head with `draftsmith export`"
 
 
 def check_k(ks: list[int]) -> list[int]:
@@ -28,10 +29,8 @@ def check_k(ks: list[int]) -> list[int]:
 
 def tensor_shapes(path: Path) -> dict[str, list[int]]:
     """Shapes of the tensors in a safetensors file, read from its header only."""
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    with open_safetensors(path, "head weights", REEXPORT) as f:
+        return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
 def head_method(head: str) -> str:
@@ -49,24 +48,7 @@ def head_method(head: str) -> str:
 
 def read_head_config(head: str) -> dict:
     """A head directory's ``config.json``, refused in one line when missing."""
-    config_file = Path(head) / "config.json"
-    if not config_file.is_file():
-        raise HeadError(
-            f"head: {head} has no config.json; give a directory written by `draftsmith export`."
-        )
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HeadError(
-            f"head: {config_file} is not valid JSON ({err}); re-export the head with "
-            "`draftsmith export`."
-        ) from err
-    if not isinstance(config, dict):
-        raise HeadError(
-            f"head: {config_file} holds a JSON {type(config).__name__}, expected an object "
-            "({...} of the head's settings); re-export the head with `draftsmith export`."
-        )
-    return config
+    return headread.read_head_config(head, REEXPORT)
 
 
 def check_head(head: str, method: str, target: TargetInfo) -> dict:

@@ -21,9 +21,10 @@ from draftsmith import __version__
 from draftsmith.conversations.sources import DataError, SkipLog, load_many
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
+from draftsmith.core.engine import check_engine_options, check_temperature
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import EVAL_OWN, check_output
-from draftsmith.core.targets import read_target
+from draftsmith.core.targets import load_tokenizer, read_target
 from draftsmith.evaluate.checks import HeadError, check_head, check_k, head_method
 from draftsmith.evaluate.config import EvalConfig
 
@@ -59,8 +60,6 @@ def device_name() -> str:
 
 def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     """Run every method, derive, compare; return results.json's dict and every generation."""
-    from transformers import AutoTokenizer
-
     from draftsmith.core.engine import engine_kwargs
     from draftsmith.evaluate import runs
 
@@ -77,7 +76,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     head_config = check_head(cfg.head, cfg.method, target) if cfg.head else None
     if cfg.draft_model and not Path(cfg.draft_model, "config.json").is_file():
         raise HeadError(f"draft_model: {cfg.draft_model} is not a model directory.")
-    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    tokenizer = load_tokenizer(target.path)
     sample_ids, chats, prompts = load_prompts(cfg, tokenizer)
     overlap = None
     if cfg.train_data:
@@ -175,7 +174,16 @@ def main(args: list[str] | None = None) -> int:
 
 
 def check_ranges(cfg: EvalConfig) -> None:
-    """Counts and sizes must be positive: a negative one is refused, never sliced with."""
+    """Every option vLLM would refuse, refused before any engine starts. Counts and sizes
+    must be positive: a negative one is refused, never sliced with."""
+    if not cfg.temperatures:
+        raise ConfigError("temperatures: empty; give at least one, e.g. [0.0, 1.0]")
+    for t in cfg.temperatures:
+        check_temperature("temperatures", t)
+    check_k(cfg.k)
+    check_engine_options(cfg.engine)
+    if cfg.seed < 0:
+        raise ConfigError(f"seed: {cfg.seed} is out of range; give a number >= 0")
     for name in ("limit", "max_tokens", "concurrency", "overlap_ngram", "time_limit"):
         value = getattr(cfg, name)
         if value is not None and value < 1:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.dataset.manifest import read_manifest
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 
@@ -149,7 +150,6 @@ def _training_samples(train_data: str):
     """(the training dataset's samples on disk, shards trained but no longer on disk). A
     streamed dataset (``stream/``) is read as far as it was written; under the policies
     ``drop`` and ``recapture`` its shards were deleted after use and cannot be checked."""
-    import json
 
     from draftsmith.dataset import HiddenStatesDataset, open_dataset
     from draftsmith.dataset.stream import STREAM_DIR
@@ -157,7 +157,7 @@ def _training_samples(train_data: str):
     root = Path(train_data)
     if not (root / STREAM_DIR).is_dir():
         return open_dataset(train_data), 0
-    listed = json.loads((root / "manifest.json").read_text())["shards"]
+    listed = read_manifest(root / "manifest.json")["shards"]
     present = [info for info in listed if (root / info["file"]).is_file()]
     dataset = HiddenStatesDataset(root, check_shards=False, shard_infos=present)
     return dataset, len(listed) - len(present)

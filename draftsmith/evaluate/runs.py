@@ -200,9 +200,10 @@ def draft_vocab_coverage(head: str, outputs: list[list[int]]) -> dict | None:
     """Share of ``outputs``' tokens (target ids) inside a head's reduced draft vocabulary
     (``d2t`` in its safetensors; None for a full-vocabulary head): tokens outside it can
     never be drafted, so this bounds the acceptance at every position."""
-    from safetensors import safe_open
+    from draftsmith.core.readers import open_safetensors
 
-    with safe_open(str(Path(head, "model.safetensors")), framework="pt") as f:
+    path = Path(head, "model.safetensors")
+    with open_safetensors(path, "head weights", "re-export the head with `draftsmith export`") as f:
         if "d2t" not in f.keys():
             return None
         d2t = f.get_tensor("d2t").long()  # draft id i -> target id i + d2t[i]

@@ -112,11 +112,9 @@ def _hf_forward(dataset: str) -> dict:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from transformers import AutoTokenizer
-
     from draftsmith.conversations.sources import SkipLog, load_many
     from draftsmith.conversations.template import render_prompt
-    from draftsmith.core.targets import resolve_model
+    from draftsmith.core.targets import load_tokenizer, resolve_model
 
     out = Path(cfg.output)
     if out.exists():
@@ -124,7 +122,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    tok = AutoTokenizer.from_pretrained(resolve_model(cfg.model))
+    tok = load_tokenizer(resolve_model(cfg.model))
     convs = load_many(cfg.data, require_assistant=False, skips=SkipLog(), limit=cfg.limit)
     prompts = [
         render_prompt(tok, [m for m in c.messages if m["role"] != "assistant"][:2]) for c in convs

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from draftsmith.conversations.sources import SkipLog
 from draftsmith.conversations.template import mask_reasoning, reasoning_ends, render_prompt
 from draftsmith.core.engine import EngineOptions
+from draftsmith.core.readers import read_safetensors
 from draftsmith.extract.config import ExtractConfig
 from draftsmith.extract.sample_plan import Item, common_prefix, turn_item
 
@@ -267,7 +267,7 @@ def _load_staged(out) -> tuple[torch.Tensor, list[int]]:
         if time.monotonic() > deadline:
             raise CaptureError(f"request {out.request_id}: {path} did not appear in time")
         time.sleep(0.01)
-    data = load_file(path)
+    data = read_safetensors(path, "staged states", "re-run the same command; it is captured again")
     os.remove(path)
     return data["hidden_states"], data["token_ids"].tolist()
 

@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 from pathlib import Path
 
 from draftsmith.conversations.sources import DataError, SkipLog, load_many
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
+from draftsmith.core.engine import check_engine_options, check_temperature
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import EXTRACT_OWN, check_output
 from draftsmith.core.targets import (
     TargetError,
     default_layer_ids,
+    load_tokenizer,
     read_target,
     validate_layer_ids,
 )
 from draftsmith.extract import replies
 from draftsmith.extract.config import ExtractConfig
 from draftsmith.extract.engines import LazyEngine
+
+# A dataset's manifest is rebuilt from its plan and sidecars: a damaged one can go.
+REBUILD = "delete it and re-run the same command, which writes it again from the sidecars"
 
 
 def check_config(cfg: ExtractConfig) -> None:
@@ -48,6 +52,10 @@ def check_config(cfg: ExtractConfig) -> None:
             )
     if cfg.max_length < 2:
         raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
+    check_temperature("temperature", cfg.temperature)
+    check_engine_options(cfg.engine)
+    if cfg.seed < 0:
+        raise ConfigError(f"seed: {cfg.seed} is out of range; give a number >= 0")
     if not 0.0 <= cfg.keep_replies <= 1.0:
         raise ConfigError(f"keep_replies: {cfg.keep_replies} is a share; give a number in [0, 1].")
     if cfg.stream and (cfg.repair or cfg.verify):
@@ -93,8 +101,6 @@ def run(cfg: ExtractConfig) -> dict:
 
 
 def _run(cfg: ExtractConfig, pulse) -> dict:
-    from transformers import AutoTokenizer
-
     from draftsmith.dataset import manifest
     from draftsmith.extract import sample_plan as plan
 
@@ -122,7 +128,7 @@ def _run(cfg: ExtractConfig, pulse) -> dict:
     existing = output / "manifest.json"
     repaired: list[int] = []
     if cfg.repair and (output / manifest.PLAN_FILE).is_file():
-        planned = len(json.loads((output / manifest.PLAN_FILE).read_text())["shards"])
+        planned = len(manifest.read_plan(output)["shards"])
         mine = [k for k in range(planned) if k % cfg.workers == cfg.worker]
         bad = repaired = manifest.repair_shards(output, mine)
         say(f"extract: repair: {len(bad)} of {len(mine)} shards failed their sha256"
@@ -130,10 +136,14 @@ def _run(cfg: ExtractConfig, pulse) -> dict:
                if bad else ""))  # fmt: skip
         if bad:
             manifest.build_manifest(output, target, layer_ids, config)
-    elif not cfg.stream and existing.is_file() and json.loads(existing.read_text()).get("complete"):
+    elif (
+        not cfg.stream
+        and existing.is_file()
+        and manifest.read_manifest(existing, REBUILD).get("complete")
+    ):
         return manifest.build_manifest(output, target, layer_ids, config)
 
-    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    tokenizer = load_tokenizer(target.path)
     skips = SkipLog()
     file_specs = [s for s in cfg.data if not s.startswith("self:")]
     self_specs = [s for s in cfg.data if s.startswith("self:")]
@@ -335,6 +345,7 @@ def settings_to_repair(cfg: ExtractConfig) -> ExtractConfig:
     ``manifest.json``, so that the shards written again are the ones planned; only
     ``output``, ``workers`` and ``worker`` come from the command line."""
     from draftsmith.core.config import parse_section
+    from draftsmith.dataset import manifest
 
     found = Path(cfg.output) / "manifest.json"
     if not found.is_file():
@@ -342,7 +353,7 @@ def settings_to_repair(cfg: ExtractConfig) -> ExtractConfig:
             f"repair: {cfg.output} has no manifest.json, so nothing to repair; run the "
             "extraction itself (without --repair) to write it"
         )
-    stored = json.loads(found.read_text()).get("config")
+    stored = manifest.read_manifest(found, REBUILD).get("config")
     if not isinstance(stored, dict):
         raise ConfigError(f"repair: {found} records no extraction settings; re-extract it")
     names = {f.name for f in dataclasses.fields(ExtractConfig)}

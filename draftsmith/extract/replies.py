@@ -14,11 +14,11 @@ against ~4,600 bytes of states for SmolLM2's four layers):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from draftsmith.conversations.sources import SkipLog
 from draftsmith.core.files import write_json_atomic
+from draftsmith.core.readers import read_json
 
 
 def write_sampled(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
@@ -59,7 +59,8 @@ def save(file: Path, rows: list[dict], skips: SkipLog) -> None:
 
 def load(file: Path, by_id: dict) -> tuple[list, SkipLog]:
     """The cached sequences of one shard as capture's ``written`` and its skip log."""
-    data = json.loads(file.read_text())
+    fix = f"delete {file}; the shard's replies are then generated again"
+    data = read_json(file, "kept replies", fix, keys=("sequences", "skipped"))
     skips = SkipLog()
     for skipped in data["skipped"]["rows"]:
         skips.add(skipped["id"], None, skipped["reason"], skipped.get("detail", ""))

@@ -14,7 +14,6 @@ shares with the previous one, so the manifest can tell stored from unique tokens
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from draftsmith.conversations.template import (
     render_turns,
 )
 from draftsmith.core.targets import TargetInfo
-from draftsmith.dataset.manifest import PLAN_FILE, OutputMismatch
+from draftsmith.dataset.manifest import PLAN_FILE, OutputMismatch, read_plan
 from draftsmith.extract.config import ExtractConfig
 
 # Options that change what is stored; anything else (engine, workers, verify) does not.
@@ -118,7 +117,7 @@ def check_fingerprint(output: Path, expected: dict) -> None:
                 "choose an empty directory or delete this one."
             )
         return
-    found = json.loads(plan_file.read_text())["fingerprint"]
+    found = read_plan(output)["fingerprint"]
     diff = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
     if diff:
         detail = "; ".join(f"{k}: {found.get(k)!r} there, {expected.get(k)!r} now" for k in diff)

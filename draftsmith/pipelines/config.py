@@ -17,6 +17,7 @@ import yaml
 
 from draftsmith.core.config import merge, parse_config, section_overrides, set_dotted
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.readers import read_yaml
 from draftsmith.pipelines.commands import PIPELINE
 
 STAGES = PIPELINE
@@ -109,17 +110,8 @@ def seconds_of(duration: str) -> float:
 
 def read_yaml_mapping(path: Path, option: str) -> dict:
     """A YAML file that must hold a mapping (``key: value`` lines); one line otherwise."""
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        problem = " ".join(str(err).split())
-        raise PipelineError(f"{option}: {path} cannot be read as YAML ({problem})") from err
-    if not isinstance(raw, dict):
-        raise PipelineError(
-            f"{option}: {path} holds a YAML {type(raw).__name__}, expected a mapping of "
-            "options (key: value lines, e.g. configs/pipelines/smollm2.yaml)"
-        )
-    return raw
+    fix = f"fix {option}: key: value lines, as in configs/pipelines/smollm2.yaml"
+    return read_yaml(path, "yaml config", fix)
 
 
 def parse_pipeline(args: list[str] | None) -> PipelineConfig:

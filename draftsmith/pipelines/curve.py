@@ -15,14 +15,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
+from draftsmith.core.readers import check_shape, read_yaml
 
 
 def train_tokens(train_dir: Path) -> int:
     """Tokens of the samples that trained the head of a train stage (its ``stage.yaml``)."""
     from draftsmith.train.data import StatesDataModule
 
-    data = yaml.safe_load((train_dir / "stage.yaml").read_text())["data"]
+    path = train_dir / "stage.yaml"
+    data = read_yaml(path, "yaml config", f"delete {train_dir} to train it again")
+    data = check_shape(data.get("data"), path, "yaml config", "its data section is gone")
     dm = StatesDataModule(**data)
     return sum(dm.dataset.lengths[i] for i in dm.train_indices)
 

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import importlib
 import io
-import json
 import logging
 import sys
 import time
@@ -41,6 +40,7 @@ from draftsmith.core.engine import shared_engines
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.outputs import PIPELINE_OWN, check_output
+from draftsmith.core.readers import read_json
 from draftsmith.pipelines.commands import COMMANDS
 from draftsmith.pipelines.config import (
     STAGES,
@@ -52,6 +52,7 @@ from draftsmith.pipelines.config import (
 from draftsmith.pipelines.producer import Producer
 from draftsmith.pipelines.stage_dirs import (
     DONE,
+    RERUN_STAGE,
     Plan,
     eval_prompts,
     record,
@@ -67,7 +68,16 @@ def stage_config(stage: str, section: dict[str, Any]) -> Any:
     if command.config is None:
         return section
     with _named(stage):
-        return parse_section(command.config_class(), section, prog=f"draftsmith {stage}")
+        config = parse_section(command.config_class(), section, prog=f"draftsmith {stage}")
+        if stage == "eval":  # what vLLM would refuse, refused before hours of work
+            from draftsmith.evaluate.main import check_ranges
+
+            check_ranges(config)
+        elif stage == "extract":
+            from draftsmith.extract.main import check_config
+
+            check_config(config)
+        return config
 
 
 def run_stage(stage: str, config: Any) -> int:
@@ -128,9 +138,6 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     """Run (or resume) the pipeline; return the state written to pipeline.json."""
     plan = Plan(cfg)
     out = check_output(cfg.output, "output", PIPELINE_OWN, overwrite=cfg.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    state_file = out / "pipeline.json"
-    state: dict[str, Any] = {"config": cfg.__dict__, "stages": {}}
     last = STAGES.index(cfg.stop_after)
     configs: dict[str, Any] = {}  # each stage's config, parsed once
     for stage in ("extract", "export", "eval"):  # bad options fail before hours of work
@@ -138,6 +145,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             configs[stage] = stage_config(stage, plan.section(stage))
     if plan.val_dir() is not None and not cfg.data:
         configs["validation"] = stage_config("extract", plan.validation_section())
+    out.mkdir(parents=True, exist_ok=True)
+    state_file = out / "pipeline.json"
+    state: dict[str, Any] = {"config": cfg.__dict__, "stages": {}}
     run_started = time.monotonic()
     producer: Producer | None = None
     for stage in STAGES[: last + 1]:
@@ -161,7 +171,7 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
             write_json_atomic(state_file, state)
             continue
         if (d / DONE).is_file():
-            done = json.loads((d / DONE).read_text())
+            done = read_json(d / DONE, "stage record", RERUN_STAGE, keys=("seconds",))
             state["stages"][stage] = {**entry, "status": "skipped", "seconds": done["seconds"]}
             say(f"pipeline: {stage} is up to date ({d})")
             write_json_atomic(state_file, state)
@@ -324,7 +334,7 @@ def _main(args: list[str] | None) -> int:
         from draftsmith.evaluate.report import summary_table
 
         if evaluation["status"] == "skipped":  # a run that evaluated printed its table above
-            say(summary_table(json.loads(results.read_text())))
+            say(summary_table(read_json(results, "stage record", RERUN_STAGE, keys=("runs",))))
         plots = ", ".join(sorted(p.name for p in results.parent.glob("*.png")))
         say(f"report: {results.parent / 'report.md'} (plots: {plots or 'none'})")
     return 0

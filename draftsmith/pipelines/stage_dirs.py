@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from draftsmith.dataset.manifest import read_manifest
 from draftsmith.evaluate.checks import check_k
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import (
@@ -25,6 +26,7 @@ from draftsmith.pipelines.config import (
 )
 
 DONE = ".done.json"  # a finished stage's marker: {"seconds": ...}
+RERUN_STAGE = "delete that stage's directory; the same command then runs the stage again"
 TRAIN_STARTUP_S = 30.0  # train-stage seconds outside trainer.max_time: imports, setup, last save
 EVAL_MIN_PROMPTS = 10  # per set: a cut evaluation keeps at least this many prompts
 
@@ -40,7 +42,7 @@ def dataset_address(manifest_path: Path) -> str:
     Not the manifest's bytes: re-running an up-to-date extraction rewrites the manifest
     (with any config fields a newer draftsmith added), and that must not orphan the runs
     trained on the same shards."""
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read_manifest(manifest_path)
     sums = [shard.get("sha256") for shard in manifest.get("shards", [])]
     if not sums or None in sums:  # no checksums to go by: the manifest is all we have
         return hashlib.sha256(manifest_path.read_bytes()).hexdigest()[:12]
@@ -233,7 +235,7 @@ def shard_seconds_per_sample(dataset: Path) -> tuple[float, int] | None:
     manifest = dataset / "manifest.json"
     if not manifest.is_file():
         return None
-    data = json.loads(manifest.read_text())
+    data = read_manifest(manifest)
     rates = sorted(
         shard["seconds"] / shard["samples"]
         for shard in data.get("shards", [])

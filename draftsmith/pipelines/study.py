@@ -30,6 +30,8 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.outputs import PIPELINE_OWN, check_output
+from draftsmith.core.readers import read_json
+from draftsmith.drafters.headread import read_head_config
 from draftsmith.pipelines import curve
 from draftsmith.pipelines.config import (
     SECTIONS,
@@ -125,10 +127,11 @@ def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict
     row["simulated_acceptance_length"] = metrics.get(f"val/acceptance_length_k{cfg.k}")
     card = Path(stages.get("export", {}).get("dir", ""), "config.json")
     if card.is_file():
-        row["draft_vocab_size"] = json.loads(card.read_text()).get("draft_vocab_size")
+        row["draft_vocab_size"] = read_head_config(card.parent).get("draft_vocab_size")
     results = Path(stages.get("eval", {}).get("dir", ""), "results.json")
     if results.is_file():
-        for run_ in json.loads(results.read_text())["runs"]:
+        fix = f"delete {results.parent} to evaluate again"
+        for run_ in read_json(results, "stage record", fix, keys=("runs",))["runs"]:
             if run_["dataset"] != cfg.dataset or run_["k"] != cfg.k:
                 continue
             prefix = "head" if run_["method"] in drafters.head_methods() else run_["method"]

@@ -11,8 +11,9 @@ can run code: only tensors, containers and ``SAFE_TYPES`` are unpickled.
 
 from __future__ import annotations
 
-import pickle
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,14 @@ import torch
 
 from draftsmith import drafters
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.readers import ReadError, read_torch, refuse_foreign_pickle
 
 CHECKPOINT_KEY = "draftsmith"
+# What the pickles of sharded checkpoints may name (read with plain pickle by DeepSpeed and
+# torch.distributed.checkpoint, so anything else is refused before they run).
+PICKLED = ("torch.", "collections.", "builtins.", "deepspeed.", "lightning.", "pathlib.",
+           "numpy.", "_codecs.encode", "argparse.Namespace")  # fmt: skip
+FIX = "give a .ckpt file (or sharded checkpoint directory) that `draftsmith train` wrote"
 FSDP_METADATA = "meta.pt"  # Lightning's file beside the shards of an FSDP sharded checkpoint
 # Beyond tensors and containers, the only types a draftsmith checkpoint holds: Lightning's
 # hyper-parameter dict and the paths its callbacks keep. Anything else is refused unread.
@@ -53,9 +60,12 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             convert_zero_checkpoint_to_fp32_state_dict,
         )
 
+        for states in sorted((path / tag).glob("*.pt")):  # DeepSpeed unpickles them fully
+            refuse_foreign_pickle(states, "deepspeed checkpoint", FIX, PICKLED)
         with tempfile.TemporaryDirectory() as tmp:
             merged = Path(tmp) / "merged.ckpt"
-            convert_zero_checkpoint_to_fp32_state_dict(str(path), str(merged))
+            with damaged_shards(path):
+                convert_zero_checkpoint_to_fp32_state_dict(str(path), str(merged))
             ckpt = load_file(merged, path)
     else:
         ckpt = load_file(path)
@@ -72,12 +82,32 @@ def read_fsdp_sharded(path: Path) -> dict[str, Any]:
     ``meta.pt`` (everything but tensors) plus the weights, merged on CPU without processes."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    ckpt = load_file(path / FSDP_METADATA)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint: {path} has meta.pt but no .metadata; {FIX}")
+    refuse_foreign_pickle(path / ".metadata", "fsdp checkpoint", FIX, PICKLED)  # plain pickle
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
-        dcp_to_torch_save(path, merged)  # {"model": state dict, "optimizer_0": ...}
+        with damaged_shards(path):
+            dcp_to_torch_save(path, merged)  # {"model": state dict, "optimizer_0": ...}
         shards = load_file(merged, path)
-    ckpt = load_file(path / FSDP_METADATA)
     return {**ckpt, "state_dict": shards["model"]}
+
+
+@contextlib.contextmanager
+def damaged_shards(path: Path) -> Iterator[None]:
+    """A sharded checkpoint whose files are damaged fails in the library that merges them,
+    in many ways; each becomes one line naming the directory."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as err:
+        problem = " ".join(str(err).split())[:160]
+        raise CheckpointError(
+            f"checkpoint: {path} cannot be merged ({type(err).__name__}: {problem}); a shard "
+            f"is damaged or missing; {FIX}"
+        ) from None
 
 
 def _safe_types() -> list[type]:
@@ -91,33 +121,14 @@ def _safe_types() -> list[type]:
 
 
 def load_file(path: Path, shown: Path | None = None) -> Any:
-    """``torch.load`` that runs no code: ``weights_only=True`` with :data:`SAFE_TYPES`
-    allowed. A file that is not a checkpoint, or that holds any other type (a pickle from
-    elsewhere can run code when unpickled), is refused in one line naming it."""
-    shown = shown or path
+    """``torch.load`` that runs no code: tensors, containers and :data:`SAFE_TYPES` only.
+    A file that is not a checkpoint, or that holds any other type (a pickle from elsewhere
+    can run code when unpickled), is refused in one line naming it (``shown``: the path the
+    user gave, where ``path`` is a consolidated copy of it)."""
     try:
-        with torch.serialization.safe_globals(_safe_types()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = next((line for line in str(err).splitlines() if "GLOBAL" in line), "")
-        if found:
-            raise CheckpointError(
-                f"checkpoint: {shown} holds a type draftsmith does not load "
-                f"({found.strip()}); only tensors, containers and {list(SAFE_TYPES)} are "
-                "read, so a checkpoint cannot run code; export checkpoints `draftsmith train` "
-                "wrote"
-            ) from err
-        raise CheckpointError(
-            f"checkpoint: {shown} is not a readable checkpoint ({err}); give a .ckpt file "
-            "`draftsmith train` wrote"
-        ) from err
-    except Exception as err:  # a damaged or foreign file fails in many ways; all are one line
-        problem = str(err).splitlines()[0] if str(err) else ""
-        problem = f"{type(err).__name__}: {problem}" if problem else type(err).__name__
-        raise CheckpointError(
-            f"checkpoint: {shown} is not a readable checkpoint ({problem}); give a .ckpt "
-            "file `draftsmith train` wrote"
-        ) from err
+        return read_torch(path, "checkpoint", FIX, allow=tuple(_safe_types()))
+    except ReadError as err:
+        raise CheckpointError(str(err).replace(str(path), str(shown or path), 1)) from None
 
 
 def head_from_checkpoint(ckpt: dict[str, Any]) -> tuple[torch.nn.Module, dict[str, Any]]:

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from safetensors import safe_open
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
+from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
 from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.dataset.shards import SHARD_FIX
 from draftsmith.dataset.stream import StreamDir, StreamOptions
 from draftsmith.train.packing import (
     PackedDataset,
@@ -52,7 +54,7 @@ def token_counts(
     wanted = None if samples is None else set(samples)
     first = 0  # dataset position of the shard's first sample
     for path in ds.shard_paths:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path, "shard", SHARD_FIX) as f:
             keep = f.get_tensor("loss_mask").bool()
             offsets = f.get_tensor("sample_offsets").tolist()
             if wanted is not None:
@@ -255,7 +257,7 @@ class StatesDataModule(pl.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             collate_fn=collate,
-            worker_init_fn=worker_init if self.workers_keep_memory else None,
+            worker_init_fn=partial(worker_init, keep_memory=self.workers_keep_memory),
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
@@ -330,7 +332,7 @@ class StatesDataModule(pl.LightningDataModule):
             self._batches_done,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            worker_init_fn=worker_init if self.workers_keep_memory else None,
+            worker_init_fn=partial(worker_init, keep_memory=self.workers_keep_memory),
             on_stop=stop,
         )
 

@@ -9,7 +9,6 @@ The checkpoint is read by ``checkpoints.py``; its kind's ``export`` writes the d
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import exit_code
 from draftsmith.core.outputs import check_output, head_dir
 from draftsmith.core.targets import read_target
+from draftsmith.drafters.headread import read_head_config
 from draftsmith.train.checkpoints import CheckpointError, head_from_checkpoint, read_checkpoint
 
 
@@ -97,7 +97,7 @@ def run_stage(cfg: ExportConfig) -> int:
 
 def serve_hint(head_dir: Path) -> str:
     """How vLLM serves the exported head (its kind says)."""
-    config = json.loads((Path(head_dir) / "config.json").read_text())
+    config = read_head_config(head_dir)
     method = drafters.head_method(config)
     kind = drafters.kind_of_method(method) if method else drafters.get("eagle3")
     return kind.serve_hint(head_dir, config)

@@ -10,6 +10,10 @@ module's), ``checkpoint`` configures the ModelCheckpoint that keeps the best hea
 simulated acceptance length and the last one (for resuming: ``--ckpt_path last``).
 ``trainer.strategy: fsdp`` or ``deepspeed`` with ``trainer.accelerator: cpu`` runs
 Lightning's strategy on CPU processes over gloo (``strategies.py``).
+
+SIGTERM (preemption) saves ``last.ckpt`` at the step reached and exits 143 with one line
+saying how to resume (``preemption.py``); checkpoints are written atomically, and a full
+disk ends in one line naming the path and the free space (``checkpoint_io.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,13 @@ from draftsmith.core.console import say, stage_log
 from draftsmith.core.cores import avoid_busy_cores
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import CHECKPOINTS_OWN, TRAIN_ROOT_OWN, check_output
+from draftsmith.train.checkpoint_io import save_atomically
+from draftsmith.train.checkpoints import load_file
 from draftsmith.train.data import StatesDataModule
 from draftsmith.train.module import DraftModule, cli_signature
+from draftsmith.train.preemption import SaveOnSigterm, exit_on_sigterm
 from draftsmith.train.progress import ConsoleProgress
+from draftsmith.train.resume import check_resume
 from draftsmith.train.share_cores import ShareCores
 from draftsmith.train.strategies import GPU_ONLY, cpu_strategy, runs_on_cpu
 
@@ -76,6 +84,22 @@ class TrainCLI(LightningCLI):
             check_output(dirpath, "checkpoint.dirpath", CHECKPOINTS_OWN, overwrite_flag=None)
         self.exit_stack.enter_context(stage_log(root / "train.log"))
 
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI would overwrite the ``model`` options given with the checkpoint's,
+        silently. Here they are compared instead: an option that changes what is trained is
+        refused in one line, one that may change is kept (``DraftModule.on_load_checkpoint``
+        applies it and says so)."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return  # "last" or a sharded directory: on_load_checkpoint checks them
+        ckpt = load_file(Path(ckpt_path))
+        saved = dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {}
+        model = self.config[subcommand].get("model")
+        ours = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
+        ours = {k: v for k, v in ours.items() if k != "__path__"}
+        check_resume(saved, ours, {}, {})
+
     def instantiate_classes(self) -> None:
         if not self.dry_run:
             super().instantiate_classes()
@@ -90,8 +114,10 @@ class TrainCLI(LightningCLI):
         if strategy is not None:  # Lightning's FSDP / DeepSpeed refuse CPU: their CPU stand-ins
             kwargs.setdefault("strategy", strategy)
         trainer = super().instantiate_trainer(**kwargs)
+        save_atomically(trainer.strategy)  # no half last.ckpt on a full disk
         if self.subcommand == "fit":
             trainer.callbacks.append(ConsoleProgress())
+            trainer.callbacks.append(SaveOnSigterm())
             if config.data.stream and runs_on_cpu(config.trainer.accelerator):
                 trainer.callbacks.append(ShareCores(config.data.data))  # a producer beside it
             waited = getattr(self.datamodule, "window_wait_s", 0.0)
@@ -159,8 +185,10 @@ def charge_wait(trainer: Trainer, seconds: float) -> str | None:
 
 
 def main(args: list[str] | None = None) -> int:
-    """Run ``draftsmith train <fit|validate> ...``; bad options end in one line, exit 2."""
-    return exit_code("draftsmith train", lambda: run_stage(args))
+    """Run ``draftsmith train <fit|validate> ...``; bad options (and a full disk) end in one
+    line, exit 2; SIGTERM saves a checkpoint and ends in one line naming it, exit 143."""
+    prog = "draftsmith train"
+    return exit_code(prog, lambda: exit_on_sigterm(prog, lambda: run_stage(args)))
 
 
 def run_stage(args: list[str] | dict[str, Any] | None, dry_run: bool = False) -> int:

@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 
 from draftsmith import drafters
+from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, read_target
 from draftsmith.drafters.acceptance import acceptance_from_counts
@@ -39,6 +40,7 @@ from draftsmith.drafters.protocol import TrainingData
 from draftsmith.drafters.target_weights import load_target_weights
 from draftsmith.train.checkpoints import CHECKPOINT_KEY
 from draftsmith.train.data import StatesDataModule
+from draftsmith.train.resume import apply_changes, check_resume
 from draftsmith.train.schedule import adamw_with_schedule
 
 
@@ -145,6 +147,11 @@ class DraftModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.head is None:
             raise RuntimeError("load checkpoints through the trainer (ckpt_path) or export")
+        saved = dict(checkpoint.get("hyper_parameters") or {})
+        ours = dict(self.hparams)
+        check_resume(saved, ours, checkpoint.get(CHECKPOINT_KEY) or {}, self.info)
+        if note := apply_changes(checkpoint, saved, ours):
+            say(f"train: {note}")
         self.drafter.restore(self.head, checkpoint.get("state_dict"))
 
     # ----- the objective --------------------------------------------------------------

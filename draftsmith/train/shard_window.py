@@ -9,19 +9,19 @@ counts only the shards it holds.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
+from draftsmith.dataset.manifest import read_manifest
 from draftsmith.dataset.stream import StreamDir, StreamOptions, planned_shards, sidecar
 
 
 def listed_shards(data: str | Path) -> dict[int, dict[str, Any]]:
     """Shard index -> manifest entry, for every shard of a finished dataset."""
-    shards = json.loads((Path(data) / "manifest.json").read_text())["shards"]
+    shards = read_manifest(Path(data) / "manifest.json")["shards"]
     return {int(Path(info["file"]).stem.split("-")[1]): info for info in shards}
 
 

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
+from draftsmith.core.readers import check_shape, read_torch
 from draftsmith.core.targets import TargetInfo, text_config
 from draftsmith.drafters.dflash.model import DFlashDrafter
 from draftsmith.drafters.headfiles import (
@@ -88,7 +89,9 @@ def read_mask_embedding(head_dir: Path) -> tuple[int, torch.Tensor] | None:
     path = Path(head_dir) / MASK_EMBEDDING_FILE
     if not path.is_file():
         return None
-    state = torch.load(path, weights_only=True)
+    fix = "re-export the head with `draftsmith export`"
+    state = check_shape(read_torch(path, "dflash embedding", fix), path, "dflash embedding", fix,
+                        keys=("mask_token_id", "embedding"))  # fmt: skip
     return int(state["mask_token_id"]), state["embedding"].reshape(-1)
 
 

@@ -111,7 +111,10 @@ def read_head(
     are ``fit_to_target``'s. ``files``: its (config, tensors) when already read."""
     head_dir = Path(head_dir)
     config, raw = files or read_head_files(head_dir)
-    layout = detect_layout(config, set(raw))
+    try:
+        layout = detect_layout(config, set(raw))
+    except HeadError as err:  # name the directory the user gave
+        raise HeadError(f"head: {head_dir}: {str(err).removeprefix('head: ')}") from None
     layer = layer_config(config, layout)
     sizes = target_sizes(layer)
     num_layers = int(layer.get("num_hidden_layers", 1))

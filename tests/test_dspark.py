@@ -1,0 +1,346 @@
+"""DSpark drafters: the valid prefix and teacher forcing, the three-term loss by hand, the
+served walk, the refusal of targets vLLM has no DSpark drafter for, a tiny run through the
+train CLI whose loss falls, and the export read by vLLM's own ``Qwen3DSparkForCausalLM``
+(built on CPU: every tensor consumed, the same logits and confidences)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import fit_then_validate
+
+from draftsmith.core.errors import ConfigError
+from draftsmith.drafters.dspark import DSpark, check_target
+from draftsmith.drafters.dspark.blocks import block_mask, position_weights, slot_targets
+from draftsmith.drafters.dspark.export import dspark_config, dspark_tensors
+from draftsmith.drafters.dspark.model import DSparkDrafter
+from draftsmith.drafters.dspark.objective import block_objective, walk_blocks
+from draftsmith.drafters.dspark.options import DSparkOptions
+
+V, H = 50, 128
+
+
+def tiny_drafter(**kw) -> DSparkDrafter:
+    options = dict(hidden_size=H, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256,
+                   vocab_size=V, target_layer_ids=[1, 3, 4], mask_token_id=V - 1, block_size=3,
+                   markov_rank=8)  # fmt: skip
+    return DSparkDrafter(**{**options, **kw})
+
+
+def test_slot_targets_valid_prefix_and_teacher_forcing():
+    # One row: doc 0 = 0..6 (prompt 0..1, a hole in the response at 4), doc 1 = 7..9.
+    doc_ids = torch.tensor([[0] * 7 + [1] * 3])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    input_ids = torch.arange(100, 110)[None]
+    anchors, keep = torch.tensor([[2, 5, 8]]), torch.tensor([[True, True, True]])
+    valid, prev_row, true_ids = slot_targets(anchors, keep, input_ids, loss_mask, doc_ids, 3)
+    # Anchor 2: slot 0 -> 3 (scored), slot 1 -> 4 (hole), slot 2 -> 5 scored but after the
+    # hole: only the prefix counts. Anchor 5: 6, then 7 is doc 1. Anchor 8: 9, then off the row.
+    assert valid.int().tolist() == [[[1, 0, 0], [1, 0, 0], [1, 0, 0]]]
+    # Slot i's Markov input and teacher row: position a + i (slot 0: the anchor itself).
+    assert prev_row.tolist() == [[[2, 3, 4], [5, 6, 7], [8, 9, 9]]]
+    assert true_ids.tolist() == [[[103, 0, 0], [106, 0, 0], [109, 0, 0]]]
+    mask = block_mask(torch.tensor([[5]]), torch.tensor([[True]]), doc_ids, 2)
+    assert mask[0, 0].int().tolist() == [[1] * 5 + [0] * 5 + [1, 1]] * 2  # doc 0 before 5
+
+
+def hand_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    head = tiny_drafter()
+    with torch.no_grad():
+        head.markov_head.markov_w2.weight.normal_(0, 0.5)
+        head.markov_head.markov_w1.weight.normal_(0, 0.5)
+    lm_head = torch.randn(V, H)
+    t = 8
+    teacher = torch.randn(1, t, H)
+    input_ids = torch.randint(0, V, (1, t))
+    loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    doc_ids = torch.zeros(1, t, dtype=torch.long)
+    anchors, keep = torch.tensor([[1, 4]]), torch.tensor([[True, True]])
+    valid, prev_row, true_ids = slot_targets(anchors, keep, input_ids, loss_mask, doc_ids, 3)
+    states = torch.randn(1, 2, 3, H, requires_grad=True)
+    return head, lm_head, teacher, input_ids, valid, prev_row, true_ids, states
+
+
+def test_loss_by_hand_weights_prefix_and_teacher_forcing():
+    head, lm_head, teacher, input_ids, valid, prev_row, true_ids, states = hand_setup()
+    # Anchor 1: slots -> 2, 3, 4 all scored; anchor 4: slot 0 -> 5, slot 1 -> 6 unscored.
+    assert valid.int().tolist() == [[[1, 1, 1], [1, 0, 0]]]
+    opt = DSparkOptions(block_size=3, loss_chunk_size=2)  # chunks split the 4 slots
+    out, correct = block_objective(head, lm_head, states, teacher, input_ids, valid, prev_row,
+                                   true_ids, opt)  # fmt: skip
+    w = [math.exp(-i / 4.0) for i in range(3)]
+    assert position_weights(3, 4.0).tolist() == pytest.approx(w)
+    terms, weights = [], []
+    for j, i in [(0, 0), (0, 1), (0, 2), (1, 0)]:  # (block, slot)
+        a = [1, 4][j]
+        prev = input_ids[0, a + i]  # the TRUE token before the predicted one
+        h = states[0, j, i]
+        logits = h @ lm_head.T + head.markov_head.markov_w2(head.markov_head.markov_w1(prev))
+        p = F.softmax(teacher[0, a + i] @ lm_head.T, -1)
+        ce = F.cross_entropy(logits[None], input_ids[0, a + i + 1][None])
+        tv = 0.5 * (F.softmax(logits, -1) - p).abs().sum()
+        conf = head.confidence_head.proj(torch.cat([h, head.markov_head.markov_w1(prev)]))[0]
+        bce = F.binary_cross_entropy_with_logits(conf, (1 - tv).detach())
+        terms.append(0.1 * ce + 0.9 * tv + 1.0 * bce)
+        weights.append(w[i])
+    expected = sum(t * x for t, x in zip(terms, weights, strict=True)) / sum(weights)
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert out.step_count.tolist() == [2, 1, 1]
+    assert out.step_loss[0].item() == pytest.approx((terms[0] + terms[3]).item() / 2, rel=1e-5)
+    params = [states, head.markov_head.markov_w2.weight, head.confidence_head.proj.weight]
+    got = torch.autograd.grad(out.loss, params)
+    ref = torch.autograd.grad(expected, params)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    # Teacher forcing: the loss reads the true previous token, not the Markov of anything else.
+    other = input_ids.clone()
+    other[0, 3] = (other[0, 3] + 1) % V  # slot 1 of block 0 predicts 3, slot 2 reads it
+    out2, _ = block_objective(head, lm_head, states, teacher, other, valid, prev_row,
+                              true_ids, opt)  # fmt: skip
+    assert out2.loss.item() != pytest.approx(out.loss.item())
+    assert correct.shape == (1, 2, 3) and not correct[0, 1, 1:].any()  # unscored stay false
+
+
+def test_served_walk_drafts_with_the_previous_draft():
+    """T = 0: each slot's Markov input is the previous ARGMAX draft (anchor first); drafts
+    count while they equal the target's argmax and the slot is valid."""
+    head, lm_head, teacher, input_ids, valid, prev_row, _, states = hand_setup(1)
+    anchors = torch.tensor([[1, 4]])
+    anchor_ids = input_ids.gather(1, anchors)
+    s = states.detach()
+    got = walk_blocks(head, lm_head, s, teacher, anchor_ids, valid, prev_row, 0.0)
+    expected = []
+    for j, a in enumerate([1, 4]):
+        prev, m = anchor_ids[0, j], 0
+        for i in range(3):
+            draft = head.logits(s[0, j, i], prev, lm_head).argmax()
+            if not (valid[0, j, i] and draft == (teacher[0, a + i] @ lm_head.T).argmax()):
+                break
+            m, prev = m + 1, draft
+        expected.append(m)
+    assert got.tolist() == [expected]
+    # A drafter equal to the teacher (no Markov bias) has every valid slot accepted.
+    with torch.no_grad():
+        head.markov_head.markov_w2.weight.zero_()
+    right = torch.stack([teacher[0, a : a + 3] for a in (1, 4)])[None]
+    assert walk_blocks(head, lm_head, right, teacher, anchor_ids, valid, prev_row, 0.0).tolist() \
+        == [[3, 1]]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    t1 = walk_blocks(head, lm_head, right, teacher, anchor_ids, valid, prev_row, 1.0, g)
+    assert t1.tolist() == [[3, 1]]  # p == q: rejection sampling accepts every draft
+
+
+def target_info(arch: str) -> SimpleNamespace:
+    return SimpleNamespace(architecture=arch, num_hidden_layers=8, hidden_size=H, path="t")
+
+
+def test_targets_without_a_vllm_dspark_class_are_refused():
+    check_target(target_info("Qwen3ForCausalLM"))
+    with pytest.raises(ConfigError) as err:
+        DSpark(DSparkOptions()).build(target_info("LlamaForCausalLM"), None, None)
+    msg = str(err.value)
+    assert "\n" not in msg and "model.kind dspark" in msg
+    assert "LlamaForCausalLM" in msg and "Qwen3ForCausalLM" in msg
+    with pytest.raises(ConfigError, match="Gemma4DSparkModel"):
+        check_target(target_info("Gemma4ForConditionalGeneration"))
+    with pytest.raises(ConfigError, match="model.markov_rank"):
+        DSpark(DSparkOptions(markov_rank=0))
+
+
+def test_export_config_and_names():
+    head = tiny_drafter()
+    target = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": H, "vocab_size": V,
+              "num_hidden_layers": 8, "max_position_embeddings": 512}  # fmt: skip
+    config = dspark_config(head, target)
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
+    want = {"target_layer_ids": [1, 3, 4], "mask_token_id": V - 1, "block_size": 3,
+            "markov_rank": 8, "enable_confidence_head": True, "confidence_head_with_markov": True,
+            "sample_from_anchor": True, "draft_vocab_size": V}  # fmt: skip
+    assert {k: config[k] for k in want} == want
+    assert "dflash_config" not in config and "eagle_aux_hidden_state_layer_ids" not in config
+    tensors = dspark_tensors(head, torch.bfloat16)
+    assert tensors["markov_head.markov_w1.weight"].shape == (V, 8)
+    assert tensors["markov_head.markov_w2.weight"].shape == (V, 8)
+    assert tensors["confidence_head.proj.weight"].shape == (1, H + 8)
+    assert tensors["confidence_head.proj.bias"].dtype == torch.float32  # vLLM keeps it fp32
+    assert not any("embed" in n or "lm_head" in n or "mask" in n for n in tensors)
+
+
+# ----- vLLM's own module, built on CPU --------------------------------------------------
+def vllm_dspark(head_dir: Path, target_dir: Path, k: int):
+    """vLLM's ``Qwen3DSparkForCausalLM`` for ``head_dir``, its weights loaded by its own
+    ``load_weights`` and the target's embeddings / lm_head shared as ``load_dspark_model``
+    shares them. VllmConfig refuses ``method: dspark`` on this build (the V1 runner lacks it;
+    the V2 runner needs Triton), so the SpeculativeConfig vLLM built and checked is attached
+    after the VllmConfig; the module itself is vLLM's, unchanged."""
+    import tempfile
+
+    from safetensors.torch import load_file
+    from vllm.config import (
+        CompilationConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+    target = ModelConfig(model=str(target_dir), dtype="float32", enforce_eager=True)
+    spec = SpeculativeConfig(method="dspark", model=str(head_dir), num_speculative_tokens=k,
+                             target_model_config=target,
+                             target_parallel_config=ParallelConfig())  # fmt: skip
+    config = VllmConfig(model_config=target, device_config=DeviceConfig("cpu"),
+                        compilation_config=CompilationConfig(mode=0))  # fmt: skip
+    config.speculative_config = spec
+    with set_current_vllm_config(config):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, "gloo")
+            initialize_model_parallel(1, 1)
+        model = Qwen3DSparkForCausalLM(vllm_config=config, prefix="draft")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        model.load_weights(load_file(head_dir / "model.safetensors").items())  # refuses extras
+        unloaded = {n for n, p in model.named_parameters() if not torch.isfinite(p).all()}
+        # Shared from the target at serving time; the mask embedding is an unused placeholder.
+        assert unloaded == {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
+        weights = load_file(target_dir / "model.safetensors")
+        embed = weights["model.embed_tokens.weight"]
+        with torch.no_grad():
+            model.model.embed_tokens.weight.copy_(embed)
+            model.lm_head.weight.copy_(weights.get("lm_head.weight", embed))
+        process_weights_after_loading(model, target, torch.device("cpu"))
+    return model, config, embed
+
+
+class CachedContextAttention(torch.nn.Module):
+    """Stands in for vLLM's paged attention kernel only: the query slots attend (both ways)
+    to the context keys / values vLLM's own ``precompute_and_store_context_kv`` wrote, then
+    to the block's."""
+
+    def __init__(self, kv: tuple[torch.Tensor, torch.Tensor], attn) -> None:
+        super().__init__()
+        self.kv, self.n, self.n_kv, self.hd = kv, attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def forward(self, q, k, v):
+        k = torch.cat([self.kv[0], k.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
+        v = torch.cat([self.kv[1], v.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
+        rep = self.n // self.n_kv
+        q = q.view(-1, self.n, self.hd).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0),
+                                             v.repeat_interleave(rep, 0))  # fmt: skip
+        return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def assert_vllm_matches(head: DSparkDrafter, head_dir: Path, target_dir: Path) -> None:
+    """One block at anchor a = T after T context tokens, through vLLM's module and ours."""
+    from vllm.config import set_current_vllm_config
+
+    bs = head.block_size
+    model, config, embed = vllm_dspark(head_dir, target_dir, bs)
+    head.set_embeddings(embed)
+    g = torch.Generator().manual_seed(0)
+    t, n_ctx = 12, len(head.target_layer_ids)
+    aux = torch.randn(t, n_ctx * head.hidden_size, generator=g)
+    block = torch.tensor([7] + [head.mask_token_id] * (bs - 1))
+    positions, ctx_positions = torch.arange(t, t + bs), torch.arange(t)
+    prev = torch.randint(0, head.vocab_size, (bs,), generator=g)
+    kv = {}
+    with set_current_vllm_config(config), torch.no_grad():
+        for i, attn in enumerate(model.model._attn_layers):  # capture the cache writes
+            attn.impl.do_kv_cache_update = lambda _l, k, v, _c, _s, i=i: kv.__setitem__(i, (k, v))
+        model.precompute_and_store_context_kv(model.combine_hidden_states(aux), ctx_positions,
+                                              torch.arange(t))  # fmt: skip
+        for i, layer in enumerate(model.model.layers):
+            layer.self_attn.attn = CachedContextAttention(kv[i], layer.self_attn)
+        hidden = model(block, positions)
+        markov = model.markov_embed(prev)
+        logits = model.compute_draft_logits(hidden) + model.markov_bias(markov)
+        confidence = model.compute_confidence(hidden, markov)
+        mask = torch.ones(1, 1, bs, t + bs, dtype=torch.bool)
+        ours = head(block[None], positions[None], aux[None], ctx_positions[None], mask)[0]
+        our_logits = head.logits(ours, prev, embed)
+        our_confidence = head.confidence_logit(ours, prev).sigmoid()
+    torch.testing.assert_close(hidden, ours, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, our_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(confidence, our_confidence, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory, make_tiny_target):
+    """A tiny Qwen3 with peaked next-token distributions (learnable by a tiny drafter)."""
+    return make_tiny_target(tmp_path_factory.mktemp("qwen3") / "qwen3", "qwen3", seed=1,
+                            norm_scale=8.0)  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_export_loads_into_vllms_dspark_module_with_equal_logits(tmp_path, qwen3_target):
+    pytest.importorskip("vllm")
+    from draftsmith.core.targets import read_target
+
+    target = read_target(str(qwen3_target))
+    head = DSpark.head_from_target(target.config, target_layer_ids=[1, 3, 4], mask_token_id=5,
+                                   block_size=4, markov_rank=16)  # fmt: skip
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.05)
+    head_dir = DSpark.export(head, target, tmp_path / "head")
+    assert_vllm_matches(head, head_dir, qwen3_target)
+
+
+@pytest.mark.vllm
+def test_tiny_dspark_trains_validates_and_exports(tmp_path, qwen3_target, make_hf_dataset):
+    """The train CLI on a tiny Qwen3 target: the loss falls, validation logs the served walk
+    at T = 0 and T = 1, and ``draftsmith export`` writes what vLLM's module reads."""
+    from draftsmith.cli import main as cli_main
+
+    prompts = [f"Write a short note about topic number {i}." for i in range(16)]
+    data = make_hf_dataset(tmp_path / "data", qwen3_target, prompts, max_new_tokens=48)
+    logs = tmp_path / "logs"
+    section = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 10,
+                    "enable_progress_bar": False, "log_every_n_steps": 1,
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(logs)}}},
+        "model": {"kind": "dspark", "block_size": 4, "num_anchors": 64, "markov_rank": 16,
+                  "lr": 3.0e-3, "warmup_steps": 2},
+        "data": {"data": str(data), "row_tokens": 256, "batch_size": 2, "val_fraction": 0,
+                 "num_workers": 0},
+    }  # fmt: skip
+    ckpt, simulated = fit_then_validate(section, tmp_path)
+    rows = list(csv.DictReader((logs / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) >= 10 and sum(losses[-3:]) < 0.85 * sum(losses[:3]), losses
+    val = tmp_path / "val" / "lightning_logs" / "version_0" / "metrics.csv"
+    last = list(csv.DictReader(val.open()))[-1]
+    t1 = float(last["val/acceptance_length_t1"])
+    assert 1.0 <= simulated <= 5.0 and 1.0 <= t1 <= 5.0
+    print(f"dspark tiny: loss {losses[0]:.3f} -> {losses[-1]:.3f}; simulated acceptance "
+          f"T=0 {simulated:.4f}, T=1 {t1:.4f}")  # fmt: skip
+
+    head_dir = tmp_path / "head"
+    assert (
+        cli_main(["export", f"--checkpoint={ckpt}", f"--output={head_dir}", "--dtype=float32"]) == 0
+    )
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 4
+    assert config["target_layer_ids"] == [1, 3, 4]  # the dataset's ids 2, 4, 5 minus 1
+    from draftsmith.train.checkpoints import read_checkpoint
+
+    saved = read_checkpoint(ckpt)
+    state = {k[5:]: v for k, v in saved["state_dict"].items() if k.startswith("head.")}
+    assert_vllm_matches(DSpark.rebuild(saved["draftsmith"], state), head_dir, qwen3_target)
