@@ -166,7 +166,7 @@ def test_yaml_of_the_wrong_shape(capsys, tmp_path):
     config = tmp_path / "p.yaml"
     config.write_text("- a\n- b\n")
     err = one_error(capsys, ["pipeline", f"--config={config}"])
-    assert f"{config} holds a YAML list, expected a mapping" in err
+    assert f"{config} holds a YAML list, expected a YAML config (a mapping)" in err
 
 
 def test_own_output_is_accepted_for_resuming(tmp_path):

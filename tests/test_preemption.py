@@ -165,19 +165,23 @@ class _Filling:
 def test_a_full_disk_at_a_checkpoint_ends_in_one_line_and_leaves_the_last_whole(
     tmp_path, tiny_dataset, whole, monkeypatch, capfd
 ):
-    """The second last.ckpt (end of epoch 1) hits a full disk: one line naming the path
-    and the free space, exit 2; epoch 0's last.ckpt is still there, whole, and no .tmp;
-    resuming from it trains the whole run's head."""
+    """With a checkpoint every step, the disk fills 4 KiB into the 5th last.ckpt (written
+    every step once the monitored metric exists, i.e. from epoch 1 on: step per_epoch + 5):
+    one line naming the path and the free space, exit 2; the step before's
+    last.ckpt is still there, whole, and no .tmp; resuming from it with `--ckpt_path last`
+    trains the whole run's head."""
+    per_epoch = load(whole)["global_step"] // 2
+    every = "--checkpoint.every_n_train_steps=1"
     out = tmp_path / "full"
-    monkeypatch.setattr(files, "open", FullDisk("last.ckpt.tmp", n=2), raising=False)
-    assert fit(*fit_args(tiny_dataset, out)) == 2
+    full = FullDisk("last.ckpt.tmp", n=5)
+    monkeypatch.setattr(files, "open", full, raising=False)
+    assert fit(*fit_args(tiny_dataset, out, every)) == 2
     err = capfd.readouterr().err.strip().splitlines()
     last = out / "ckpt" / "last.ckpt"
     assert len(err) == 1 and f"could not write checkpoint {last}" in err[0], err
     assert "No space left on device" in err[0] and "GiB free on" in err[0]
     assert not list(last.parent.glob("*.tmp"))
-    per_epoch = load(whole)["global_step"] // 2
-    assert load(last)["global_step"] == per_epoch  # epoch 0's, whole
+    assert load(last)["global_step"] == per_epoch + 4  # the step before's, whole
     monkeypatch.undo()
-    assert fit(*fit_args(tiny_dataset, out, "--ckpt_path=last")) == 0
+    assert fit(*fit_args(tiny_dataset, out, every, "--ckpt_path=last")) == 0
     assert_same_head(last, whole)

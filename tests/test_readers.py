@@ -427,6 +427,7 @@ ALLOWED = {
     ("extract/verify.py", "from_pretrained"): "transformers' own forward, the check's reference",
     ("extract/bench.py", "from_pretrained"): "transformers' forward, the benchmark's baseline",
     ("train/checkpoints.py", "load_file"): "its own wrapper of readers.read_torch",
+    ("train/main.py", "load_file"): "checkpoints.load_file: readers.read_torch",
     ("core/outputs.py", "json.loads(file)"): "a probe of whose a file is: unreadable is not ours",
 }
 

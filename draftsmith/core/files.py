@@ -39,14 +39,25 @@ def write_atomic(path: Path, write: Any, what: str) -> tuple[str, int]:
         os.replace(tmp, path)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-            raise disk_full(path, exc, what) from exc
+        if (full := _disk_full_cause(exc)) is not None:
+            raise disk_full(path, full, what) from exc
         if isinstance(exc, OSError):
             reason = exc.strerror or str(exc)
             raise OSError(exc.errno, f"could not write {what} {path}: {reason}") from exc
         raise
     fsync_dir(path.parent)
     return digest.hexdigest(), size
+
+
+def _disk_full_cause(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC/EFBIG ``OSError`` behind ``exc``, if any: writers that call ``f.write``
+    from C (``torch.save``'s zip writer) raise their own error from it."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def disk_full(path: Path, exc: OSError, what: str) -> DiskFullError:

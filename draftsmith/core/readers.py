@@ -227,7 +227,7 @@ def read_torch(path: Path | str, kind: str, fix: str, allow: tuple[type, ...] = 
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = next((ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln), "")
-        if found or "Unsupported" in str(err):
+        if found:
             named = f" ({found})" if found else ""
             problem = f"holds objects that are not plain tensors{named}; refused without running it"
             raise _fail(path, kind, problem, fix) from None
@@ -262,7 +262,6 @@ def pickle_globals(path: Path | str, kind: str, fix: str) -> set[str]:
     pickle, or from each ``*.pkl`` inside a torch zip. For files a library loads with plain
     ``pickle`` (DeepSpeed's ZeRO states, torch.distributed.checkpoint's ``.metadata``),
     which would run whatever the pickle names."""
-    import pickletools
     import zipfile
 
     read_bytes_head(path, kind, fix)
@@ -276,17 +275,45 @@ def pickle_globals(path: Path | str, kind: str, fix: str) -> set[str]:
         blobs = [Path(path).read_bytes()]
     names: set[str] = set()
     for blob in blobs:
-        strings: list[str] = []  # STACK_GLOBAL takes module and name from the last two pushed
         try:
-            for op, arg, _ in pickletools.genops(blob):
-                if op.name in ("GLOBAL", "INST"):
-                    names.add(str(arg).replace(" ", "."))
-                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                    names.add(f"{strings[-2]}.{strings[-1]}")
-                elif isinstance(arg, str):
-                    strings.append(arg)
+            names |= _globals(blob)
         except Exception as err:  # not a pickle, or cut short
             raise _fail(path, kind, f"is not a whole pickle ({_problem(err)})", fix) from None
+    return names
+
+
+def _globals(blob: bytes) -> set[str]:
+    """The imports of one pickle. STACK_GLOBAL takes its module and name from the stack,
+    pushed as strings or fetched from the memo, so strings are followed through the memo."""
+    import pickletools
+
+    names: set[str] = set()
+    strings: list[str] = []  # the strings pushed so far, in order
+    memo: dict[int, Any] = {}
+    last: Any = None  # what the last op pushed, where it was a string
+    for op, arg, _ in pickletools.genops(blob):
+        name = op.name
+        if name in ("GLOBAL", "INST"):
+            names.add(str(arg).replace(" ", "."))
+            last = None
+        elif name == "STACK_GLOBAL":
+            if len(strings) < 2:
+                raise ValueError("STACK_GLOBAL without a module and a name")
+            names.add(f"{strings[-2]}.{strings[-1]}")
+            last = None
+        elif name == "MEMOIZE":
+            memo[len(memo)] = last
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[int(arg)] = last
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            last = memo.get(int(arg))
+            if isinstance(last, str):
+                strings.append(last)
+        elif isinstance(arg, str) and ("UNICODE" in name or "STRING" in name):
+            last = str(arg)
+            strings.append(last)
+        else:
+            last = None
     return names
 
 

@@ -45,7 +45,13 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def ignore_sigterm() -> None:
-    """For child processes whose parent shuts them down (DataLoader workers): a SIGTERM sent
-    to the whole process group then stops the parent alone, which ends them cleanly."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def ignore_first_sigterm() -> None:
+    """For child processes whose parent shuts them down (DataLoader workers): the first
+    SIGTERM, sent to the whole process group, is the parent's to act on and is ignored
+    here; a second one (``multiprocessing``'s ``terminate()`` of a worker the parent could
+    not stop otherwise, as at its exit) ends the process as SIGTERM always does."""
+
+    def first(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, first)

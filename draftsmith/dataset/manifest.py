@@ -29,20 +29,23 @@ PLAN_FILE = "plan.json"
 RERUN = "re-run the same `draftsmith extract` command to write it again"
 
 
-def read_manifest(path: Path, fix: str = RERUN) -> dict:
-    """``manifest.json`` as an object whose ``shards`` is a list of objects naming a file."""
+def read_manifest(path: Path, fix: str = RERUN, strict: bool = True) -> dict:
+    """``manifest.json`` as an object whose ``shards`` is a list of objects naming a file
+    (``strict``; else any object: a summary read for what it has)."""
+    if not strict:
+        return read_json(path, "dataset manifest", fix)
     data = read_json(path, "dataset manifest", fix, keys=("shards",))
     for shard in check_shape(data["shards"], path, "dataset manifest", fix, list):
         check_shape(shard, path, "dataset manifest", fix, dict, ("file", "sha256", "bytes"))
     return data
 
 
-def read_plan(output: Path) -> dict:
-    """``plan.json`` as an object whose ``shards`` is a list of sample-id lists."""
+def read_plan(output: Path, keys: tuple[str, ...] = ("fingerprint", "shards", "skipped")) -> dict:
+    """``plan.json`` as an object holding ``keys``; its ``shards`` a list of sample-id lists."""
     path = output / PLAN_FILE
     fix = f"delete {path} and re-run the same `draftsmith extract` command to plan again"
-    data = read_json(path, "dataset plan", fix, keys=("fingerprint", "shards", "skipped"))
-    for shard in check_shape(data["shards"], path, "dataset plan", fix, list):
+    data = read_json(path, "dataset plan", fix, keys=keys)
+    for shard in check_shape(data.get("shards", []), path, "dataset plan", fix, list):
         check_shape(shard, path, "dataset plan", fix, list)
     return data
 

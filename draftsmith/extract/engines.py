@@ -14,6 +14,15 @@ from pathlib import Path
 from draftsmith.core import engine
 from draftsmith.extract.config import ExtractConfig
 
+_started: set[LazyEngine] = set()  # engines get() started and close() has not stopped yet
+
+
+def close_started() -> None:
+    """Close every engine still running: a run that ends early (an error, SIGTERM) must not
+    leave vLLM's engine processes behind. Pooled ones stay with their pool."""
+    for lazy in list(_started):
+        lazy.close()
+
 
 class LazyEngine:
     """A plain engine (``layer_ids`` None) or a capture engine whose connector stages
@@ -40,6 +49,7 @@ class LazyEngine:
     def get(self):
         if self.llm is not None:
             return self.llm
+        _started.add(self)
         if self.staging is None:
             engine.release_shared()
             self.llm = engine.plain_engine(self.model, self.cfg.engine, self.max_len)
@@ -67,3 +77,4 @@ class LazyEngine:
 
                 clean_staging(self.staging)
         self.llm, self.shared = None, False
+        _started.discard(self)

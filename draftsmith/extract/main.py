@@ -4,6 +4,9 @@
 
 Re-running the same command resumes: finished shards are kept, the rest are redone.
 Several workers (``--workers W --worker i``) can fill one directory in parallel.
+SIGTERM keeps the shards finished, shuts vLLM down and exits 143 in one line; a full disk
+ends in one line naming the path and the free space (exit 2); either way the same command
+run again goes on.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from draftsmith.core.console import progress, say, stage_log
 from draftsmith.core.engine import check_engine_options, check_temperature
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import EXTRACT_OWN, check_output
+from draftsmith.core.signals import Terminated, sigterm_raises
 from draftsmith.core.targets import (
     TargetError,
     default_layer_ids,
@@ -28,7 +32,8 @@ from draftsmith.core.targets import (
 )
 from draftsmith.extract import replies
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.engines import LazyEngine
+from draftsmith.extract.engines import LazyEngine, close_started
+from draftsmith.extract.interrupted import report_sigterm
 
 # A dataset's manifest is rebuilt from its plan and sidecars: a damaged one can go.
 REBUILD = "delete it and re-run the same command, which writes it again from the sidecars"
@@ -90,14 +95,18 @@ def staging_dir(cfg: ExtractConfig, output: Path) -> Path:
 
 def run(cfg: ExtractConfig) -> dict:
     """Extract (or resume) the dataset described by `cfg`; return its manifest. A streaming
-    producer beats from its start (prompts and planning can outlast the trainer's wait)."""
-    if not cfg.stream:
-        return _run(cfg, None)
-    from draftsmith.dataset.stream import StreamDir
-    from draftsmith.extract.producer import Pulse
+    producer beats from its start (prompts and planning can outlast the trainer's wait).
+    However it ends (an error, SIGTERM), the vLLM engines it started are shut down."""
+    try:
+        if not cfg.stream:
+            return _run(cfg, None)
+        from draftsmith.dataset.stream import StreamDir
+        from draftsmith.extract.producer import Pulse
 
-    with Pulse(StreamDir(cfg.output), cfg.worker) as pulse:
-        return _run(cfg, pulse)
+        with Pulse(StreamDir(cfg.output), cfg.worker) as pulse:
+            return _run(cfg, pulse)
+    finally:
+        close_started()
 
 
 def _run(cfg: ExtractConfig, pulse) -> dict:
@@ -372,8 +381,11 @@ def run_stage(cfg: ExtractConfig) -> int:
         cfg = settings_to_repair(cfg)
     check_config(cfg)
     check_output(cfg.output, "output", EXTRACT_OWN, overwrite=cfg.overwrite)
-    with stage_log(Path(cfg.output) / "extract.log") as log:
-        man = run(cfg)
+    try:  # SIGTERM: whole shards kept, one line, exit 143 (extract/interrupted.py)
+        with stage_log(Path(cfg.output) / "extract.log") as log, sigterm_raises():
+            man = run(cfg)
+    except Terminated:
+        return report_sigterm("draftsmith extract", cfg.output)
     say(summary(man) + (f"\nlog: {log}" if log else ""))
     if cfg.verify:
         from draftsmith.extract.verify import verify_dataset

@@ -10,6 +10,8 @@ tell a producer that writes prompts or one long shard from a dead one, and its p
 can say which side starves; a producer that raises, at any point, fails the stream with
 its error. It ends when
 the trainer says it finished, or after ``trainer_timeout`` seconds without a word from it.
+SIGTERM stops it at once (``core/signals.py``): the shard in progress leaves nothing, the
+engine is shut down, and a producer started again writes what is still wanted.
 With ``time_limit`` it starts no new shard that would end past it and closes the dataset
 at the shards written (``stream/closed-w<i>.json``): training goes on over those, as it
 does over an offline dataset cut by its time limit, and later epochs' recaptures go on.
@@ -28,6 +30,7 @@ from typing import Any
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.signals import Terminated
 from draftsmith.dataset import manifest
 from draftsmith.dataset.stream import POLL_S, StreamDir, sidecar
 
@@ -38,7 +41,8 @@ class Pulse:
     """A producer's heartbeat, written every ``period`` s by a thread whatever the producer
     is doing (writing prompts, planning, one long shard); :meth:`set` changes what it says.
     Leaving the ``with`` block on an error writes ``stream/failed.json`` with it, so the
-    trainer stops naming it instead of waiting out its timeout."""
+    trainer stops naming it instead of waiting out its timeout; SIGTERM is no failure: the
+    last beat says so and the trainer waits (``producer_timeout``) for a restarted one."""
 
     def __init__(self, stream: StreamDir, worker: int, period: float = PULSE_S) -> None:
         self.stream, self.worker, self.period = stream, worker, period
@@ -54,7 +58,9 @@ class Pulse:
     def __exit__(self, kind, err, tb) -> None:
         self._stop.set()
         self._thread.join()
-        if err is not None:
+        if isinstance(err, Terminated):  # preempted, not failed: a restarted producer goes on
+            self.set(**{**self.state, "state": "stopped by SIGTERM"})
+        elif err is not None:
             why = str(err) if isinstance(err, DraftsmithError) else f"{kind.__name__}: {err}"
             self.stream.fail(f"producer w{self.worker}: {why}")
 

@@ -117,7 +117,7 @@ def check_fingerprint(output: Path, expected: dict) -> None:
                 "choose an empty directory or delete this one."
             )
         return
-    found = read_plan(output)["fingerprint"]
+    found = read_plan(output, keys=("fingerprint",))["fingerprint"]
     diff = sorted(k for k in set(found) | set(expected) if found.get(k) != expected.get(k))
     if diff:
         detail = "; ".join(f"{k}: {found.get(k)!r} there, {expected.get(k)!r} now" for k in diff)

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.memory import keep_freed_memory
-from draftsmith.core.signals import ignore_sigterm
+from draftsmith.core.signals import ignore_first_sigterm
 from draftsmith.dataset import DatasetError, HiddenStatesDataset
 from draftsmith.drafters.batch import PAD_DOC_ID
 
@@ -177,13 +177,14 @@ def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 def worker_init(worker_id: int, keep_memory: bool = True) -> None:
-    """DataLoader ``worker_init_fn``. The worker ignores SIGTERM: sent to the whole process
-    group (``timeout``, SLURM), it would kill the worker mid-batch and the trainer would die
-    of "DataLoader worker exited unexpectedly" before saving; the trainer saves and shuts its
-    workers down itself (``train/preemption.py``). With ``keep_memory`` the worker keeps the
-    memory it frees, so the ~100 MB buffers of each row do not fault in page by page again
-    (``memory.keep_freed_memory``)."""
-    ignore_sigterm()
+    """DataLoader ``worker_init_fn``. The worker ignores the first SIGTERM: sent to the
+    whole process group (``timeout``, SLURM), it would kill the worker mid-batch and the
+    trainer would die of "DataLoader worker exited unexpectedly" before saving; the trainer
+    saves and shuts its workers down itself (``train/preemption.py``), and a worker it could
+    not stop is ended by the second (``terminate()`` at exit). With ``keep_memory`` the
+    worker keeps the memory it frees, so the ~100 MB buffers of each row do not fault in
+    page by page again (``memory.keep_freed_memory``)."""
+    ignore_first_sigterm()
     if keep_memory:
         keep_freed_memory()
 

@@ -8,8 +8,8 @@ resume continues with the next batch exactly as an uninterrupted run would; in
 ``on_exception`` when the signal came during validation), and :func:`exit_on_sigterm` turns
 the exception into one line on stderr and exit status 143 (``core/signals.py``).
 
-DataLoader workers ignore SIGTERM (``packing.worker_init``): a signal sent to the whole
-process group would otherwise kill them first and end the fit in their tracebacks.
+DataLoader workers ignore the first SIGTERM (``packing.worker_init``): a signal sent to the
+whole process group would otherwise kill them first and end the fit in their tracebacks.
 """
 
 from __future__ import annotations
