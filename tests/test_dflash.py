@@ -13,11 +13,9 @@ import torch.nn.functional as F
 from helpers import fit_then_validate, serve_head
 
 from draftsmith.drafters.acceptance import acceptance_from_counts
+from draftsmith.drafters.block_layout import anchor_candidates, block_inputs, block_mask
 from draftsmith.drafters.dflash.blocks import (
-    anchor_candidates,
-    block_inputs,
     block_loss,
-    block_mask,
     default_gamma,
     slot_validity,
     slot_weights,

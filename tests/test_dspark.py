@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from helpers import fit_then_validate
 
 from draftsmith.core.errors import ConfigError
+from draftsmith.drafters.block_layout import block_mask
 from draftsmith.drafters.dspark import DSpark, check_target
-from draftsmith.drafters.dspark.blocks import block_mask, position_weights, slot_targets
+from draftsmith.drafters.dspark.blocks import position_weights, slot_targets
 from draftsmith.drafters.dspark.export import dspark_config, dspark_tensors
 from draftsmith.drafters.dspark.model import DSparkDrafter
 from draftsmith.drafters.dspark.objective import block_objective, walk_blocks
@@ -153,6 +154,11 @@ def test_targets_without_a_vllm_dspark_class_are_refused():
         check_target(target_info("Gemma4ForConditionalGeneration"))
     with pytest.raises(ConfigError, match="model.markov_rank"):
         DSpark(DSparkOptions(markov_rank=0))
+    # simulate_only trains past the check; the head is still refused at export
+    with pytest.raises(AttributeError):  # None data: the build got past the target check
+        DSpark(DSparkOptions(simulate_only=True)).build(target_info("LlamaForCausalLM"), None, None)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+        DSpark.export(tiny_drafter(), target_info("LlamaForCausalLM"), Path("/nonexistent"))
 
 
 def test_export_config_and_names():

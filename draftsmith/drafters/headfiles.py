@@ -288,3 +288,44 @@ def speculators_card(
         f"```bash\nvllm serve {target} --speculative-config '{spec_arg}'\n```",
     ]
     return card_text(parts, target, spec_arg, card)
+
+
+def block_head_fields(
+    head: nn.Module, target_config: dict[str, Any], architecture: str, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The ``config.json`` fields every block drafter (DFlash, DSpark) shares: a Qwen3-style
+    drafter of ``architecture`` reading the target's layers ``head.target_layer_ids``
+    (0-based), checked against the target it is exported for."""
+    k, text = head.init_kwargs, text_config(target_config)
+    if k["vocab_size"] != text["vocab_size"]:
+        raise ConfigError(f"drafter vocab {k['vocab_size']} != target vocab {text['vocab_size']}")
+    n = text["num_hidden_layers"]
+    if any(not 0 <= i < n for i in head.target_layer_ids):
+        raise ConfigError(
+            f"target_layer_ids {head.target_layer_ids} fall outside the target's 0..{n - 1}; "
+            "export the drafter for the target it was trained on"
+        )
+    return {
+        "architectures": [architecture],
+        "model_type": "qwen3",
+        **layer_fields(head, text.get("max_position_embeddings", 2048), attention_bias=False),
+        "target_hidden_size": k["target_hidden_size"] or k["hidden_size"],
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def check_block_taps(head: str, ids: Any, where: str, shapes: dict[str, list[int]], target) -> None:
+    """Refuse a block drafter whose ``where`` (its config's 0-based tapped layers, ``ids``) or
+    ``fc`` do not fit ``target`` (a :class:`~draftsmith.core.targets.TargetInfo`)."""
+    n = target.num_hidden_layers
+    if not ids or any(not 0 <= i < n for i in ids):
+        raise HeadError(
+            f"head: {head} {where} {ids} must be 0-based layers of the target's 0..{n - 1}; it "
+            "was trained for another target."
+        )
+    fc = shapes.get("fc.weight")
+    if fc is not None and fc[1] != len(ids) * target.hidden_size:
+        raise HeadError(
+            f"head: {head} fc.weight is {fc}, expected [*, {len(ids)} x "
+            f"{target.hidden_size}] for its {len(ids)} target_layer_ids."
+        )

@@ -26,7 +26,7 @@ from draftsmith.drafters.dflash.export import export_dflash
 from draftsmith.drafters.dflash.model import DFlashDrafter, dflash_from_target
 from draftsmith.drafters.dflash.objective import dflash_loss, target_layer_ids
 from draftsmith.drafters.dflash.options import DFlashOptions
-from draftsmith.drafters.headfiles import HeadError
+from draftsmith.drafters.headfiles import check_block_taps
 from draftsmith.drafters.loss import TTTLoss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
 from draftsmith.drafters.target_weights import TargetWeights
@@ -117,18 +117,7 @@ class DFlash(Drafter):
         cls, head: str, method: str, config: dict, shapes: dict[str, list[int]], target: TargetInfo
     ) -> None:
         ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-        n = target.num_hidden_layers
-        if not ids or any(not 0 <= i < n for i in ids):
-            raise HeadError(
-                f"head: {head} dflash_config.target_layer_ids {ids} must be 0-based layers of "
-                f"the target's 0..{n - 1}; it was trained for another target."
-            )
-        fc = shapes.get("fc.weight")
-        if fc is not None and fc[1] != len(ids) * target.hidden_size:
-            raise HeadError(
-                f"head: {head} fc.weight is {fc}, expected [*, {len(ids)} x "
-                f"{target.hidden_size}] for its {len(ids)} target_layer_ids."
-            )
+        check_block_taps(head, ids, "dflash_config.target_layer_ids", shapes, target)
 
     @classmethod
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:

@@ -14,11 +14,9 @@ from torch import Tensor
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.block_layout import anchor_candidates, block_inputs, block_mask
 from draftsmith.drafters.dflash.blocks import (
-    anchor_candidates,
-    block_inputs,
     block_loss,
-    block_mask,
     default_gamma,
     slot_validity,
 )

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
+from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.batch import Batch
@@ -27,7 +28,7 @@ from draftsmith.drafters.dspark.export import ARCHITECTURE, export_dspark
 from draftsmith.drafters.dspark.model import DSparkDrafter, dspark_from_target
 from draftsmith.drafters.dspark.objective import dspark_loss
 from draftsmith.drafters.dspark.options import DSparkOptions
-from draftsmith.drafters.headfiles import HeadError
+from draftsmith.drafters.headfiles import check_block_taps
 from draftsmith.drafters.loss import TTTLoss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
 from draftsmith.drafters.target_weights import TargetWeights
@@ -49,7 +50,8 @@ def check_target(target: TargetInfo) -> None:
     )
     raise ConfigError(
         f"model.kind dspark: the target's architecture {target.architecture} is not supported "
-        f"({why}); supported: {', '.join(SUPPORTED)}; use model.kind dflash for this target"
+        f"({why}); supported: {', '.join(SUPPORTED)}; use model.kind dflash for this target "
+        "(or model.simulate_only true to compare simulated acceptance without serving)"
     )
 
 
@@ -90,8 +92,12 @@ class DSpark(Drafter):
             )
 
     def build(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
-        check_target(target)
         opt = self.options
+        if not opt.simulate_only:
+            check_target(target)
+        elif target.architecture not in SUPPORTED:
+            say(f"train: dspark for {target.architecture}: simulated acceptance only (vLLM has "
+                "no DSpark drafter for it; export will refuse the head)")  # fmt: skip
         ids = target_layer_ids(data.aux_layer_ids, target.num_hidden_layers)
         mask_id, spare = choose_mask_token(target, data, opt.mask_token_id)
         if not bool(weights.embed[mask_id].abs().sum() > 0):
@@ -134,18 +140,7 @@ class DSpark(Drafter):
         cls, head: str, method: str, config: dict, shapes: dict[str, list[int]], target: TargetInfo
     ) -> None:
         check_target(target)
-        ids, n = config.get("target_layer_ids"), target.num_hidden_layers
-        if not ids or any(not 0 <= i < n for i in ids):
-            raise HeadError(
-                f"head: {head} target_layer_ids {ids} must be 0-based layers of the target's "
-                f"0..{n - 1}; it was trained for another target."
-            )
-        fc = shapes.get("fc.weight")
-        if fc is not None and fc[1] != len(ids) * target.hidden_size:
-            raise HeadError(
-                f"head: {head} fc.weight is {fc}, expected [*, {len(ids)} x "
-                f"{target.hidden_size}] for its {len(ids)} target_layer_ids."
-            )
+        check_block_taps(head, config.get("target_layer_ids"), "target_layer_ids", shapes, target)
 
     @classmethod
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:

@@ -25,43 +25,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.batch import PAD_DOC_ID
-
-
-def anchor_candidates(loss_mask: Tensor, doc_ids: Tensor, position_ids: Tensor) -> Tensor:
-    """[B, T] bool: positions that may anchor a block (module docstring)."""
-    mask = loss_mask.bool()
-    nxt = torch.zeros_like(mask)
-    nxt[:, :-1] = mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
-    return mask & nxt & (position_ids >= 1) & (doc_ids != PAD_DOC_ID)
-
-
-def block_inputs(
-    input_ids: Tensor, position_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int
-) -> tuple[Tensor, Tensor]:
-    """(block_ids [B, A * bs], block_positions [B, A * bs]): ``[x_a, MASK, ...]`` at positions
-    ``pos(a) + 0 .. bs - 1``, blocks back to back."""
-    b, a = anchors.shape
-    ids = torch.full((b, a, block_size), mask_token_id, dtype=input_ids.dtype,
-                     device=anchors.device)  # fmt: skip
-    ids[:, :, 0] = input_ids.gather(1, anchors)
-    offsets = torch.arange(block_size, device=anchors.device)
-    pos = position_ids.gather(1, anchors)[:, :, None] + offsets  # [B, A, bs]
-    return ids.view(b, -1), pos.view(b, -1)
-
-
-def block_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, block_size: int) -> Tensor:
-    """[B, 1, Q, T + Q] bool, Q = A * bs: a slot of block j sees the context keys t with
-    ``doc(t) == doc(a_j)`` and ``t < a_j``, and the slots of block j."""
-    b, a = anchors.shape
-    cols = torch.arange(doc_ids.shape[1], device=anchors.device)
-    anchor_doc = doc_ids.gather(1, anchors)  # [B, A]
-    ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (cols < anchors[:, :, None])
-    ctx = (ctx & keep[:, :, None]).repeat_interleave(block_size, dim=1)  # [B, Q, T]
-    block = torch.arange(a, device=anchors.device).repeat_interleave(block_size)  # [Q]
-    own = (block[:, None] == block[None, :]).expand(b, -1, -1)  # [B, Q, Q]
-    return torch.cat([ctx, own], dim=-1)[:, None]
-
 
 def slot_targets(
     anchors: Tensor, keep: Tensor, input_ids: Tensor, loss_mask: Tensor, doc_ids: Tensor,

@@ -34,11 +34,11 @@ from safetensors.torch import save_file
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
-from draftsmith.core.targets import TargetInfo, text_config
+from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.dspark.model import DSparkDrafter
 from draftsmith.drafters.headfiles import (
+    block_head_fields,
     card_text,
-    layer_fields,
     section,
     state_tensors,
     write_head_dir,
@@ -51,22 +51,10 @@ def dspark_config(
     head: DSparkDrafter, target_config: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> dict[str, Any]:
     """The drafter's ``config.json`` (module docstring)."""
-    k, text = head.init_kwargs, text_config(target_config)
-    if k["vocab_size"] != text["vocab_size"]:
-        raise ConfigError(f"drafter vocab {k['vocab_size']} != target vocab {text['vocab_size']}")
-    n = text["num_hidden_layers"]
-    if any(not 0 <= i < n for i in head.target_layer_ids):
-        raise ConfigError(
-            f"target_layer_ids {head.target_layer_ids} fall outside the target's 0..{n - 1}; "
-            "export the drafter for the target it was trained on"
-        )
+    k = head.init_kwargs
     return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        **layer_fields(head, text.get("max_position_embeddings", 2048), attention_bias=False),
-        "target_hidden_size": k["target_hidden_size"] or k["hidden_size"],
+        **block_head_fields(head, target_config, ARCHITECTURE, dtype),
         "draft_vocab_size": k["vocab_size"],
-        "torch_dtype": str(dtype).removeprefix("torch."),
         "target_layer_ids": list(head.target_layer_ids),
         "mask_token_id": head.mask_token_id,
         "block_size": head.block_size,

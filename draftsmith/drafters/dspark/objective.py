@@ -32,10 +32,8 @@ from torchmetrics import Metric
 
 from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts
 from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.block_layout import anchor_candidates, block_inputs, block_mask
 from draftsmith.drafters.dspark.blocks import (
-    anchor_candidates,
-    block_inputs,
-    block_mask,
     position_weights,
     slot_targets,
 )

@@ -51,3 +51,6 @@ class DSparkOptions(HeadOptions, BlockOptions):
     DeepSpec: 1.0)."""
     position_decay_gamma: float = 4.0
     """DSpark: slot i (0 = the first draft) weighs ``exp(-i / gamma)`` in every term."""
+    simulate_only: bool = exclusive(False)
+    """DSpark: train for a target vLLM has no DSpark drafter for (a Llama, say), to compare
+    simulated acceptance with other kinds on the same data; export and eval refuse the head."""
