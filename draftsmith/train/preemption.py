@@ -84,6 +84,6 @@ def exit_on_sigterm(prog: str, fn: Callable[[], int]) -> int:
         if path:
             line = f"checkpoint saved to {path}; resume with --ckpt_path {path}"
         else:
-            line = f"no checkpoint saved ({failed or 'the fit had not started'})"
+            line = f"no checkpoint saved ({failed or 'none was written'})"
         print(f"{prog}: stopped by SIGTERM{where}; {line}", file=sys.stderr, flush=True)
         return EXIT_SIGTERM
