@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch.utils.data import DataLoader
 
 from draftsmith.core import files
+from draftsmith.core.errors import DiskFullError
 from draftsmith.core.files import sha256_file, write_json_atomic
 from draftsmith.dataset.reader import DatasetError, open_dataset
 from draftsmith.dataset.shards import (
@@ -200,9 +201,10 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
 
     real_open = open
     monkeypatch.setattr(files, "open", lambda p, mode: FullDisk(real_open(p, mode)), raising=False)
-    with pytest.raises(OSError, match="shard-00000.safetensors") as err:
+    with pytest.raises(DiskFullError, match="shard-00000.safetensors") as err:
         write_shard(path, make_samples(3, seed=5), "bfloat16")
-    assert err.value.errno == errno.ENOSPC
+    assert "No space left on device" in str(err.value) and "GiB free" in str(err.value)
+    assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
 
 
