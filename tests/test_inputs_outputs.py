@@ -84,13 +84,17 @@ def test_flipped_byte_is_refused_before_its_samples(tmp_path, tiny_dataset):
     assert len(open_dataset(data, check_shards=False)[len(ds) - 1]["input_ids"])  # opt-out
 
 
-def test_flipped_byte_stops_training(capsys, tmp_path, tiny_dataset):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_flipped_byte_stops_training(capsys, tmp_path, tiny_dataset, workers):
+    """In a loader worker too: its error reaches the user as the one line it was, not as
+    torch's "Caught DatasetError in DataLoader worker process 0. Original Traceback ..."."""
     data, name = corrupt_copy(tiny_dataset, tmp_path)
     args = ["train", "fit", f"--config={TRAIN_TINY}", f"--data.data={data}"]
     args += [f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.max_steps=2"]
-    args += ["--data.num_workers=0"]
+    args += [f"--data.num_workers={workers}"]
     err = one_error(capsys, args)
     assert name in err and "sha256" in err and not (tmp_path / "run" / "checkpoints").exists()
+    assert "Caught" not in err and "Traceback" not in err and "File " not in err
 
 
 def test_repair_deletes_exactly_the_corrupt_shards(tmp_path, tiny_dataset):
