@@ -281,6 +281,43 @@ def write_random_eagle3_head(
     return out
 
 
+def write_copy_eagle3_head(out: Path, target_dir: Path, draft_ids=None) -> Path:
+    """An EAGLE-3 head whose drafts are known: ``fc`` passes the target's last-layer state
+    through (attention and MLP zeroed) and the final norm and ``lm_head`` are the target's,
+    so every draft is the target's greedy choice at the previous position. ``draft_ids``
+    (target ids) gives it a reduced draft vocabulary (``d2t``) of those rows."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = json.loads((target_dir / "config.json").read_text())
+    h, n = target["hidden_size"], target["num_hidden_layers"]
+    layer_ids = [2, n // 2, n]
+    write_random_eagle3_head(out, target_dir, layer_ids=layer_ids)
+    weights = load_file(target_dir / "model.safetensors")
+    lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    tensors = load_file(out / "model.safetensors")
+    for name, t in tensors.items():
+        if name.startswith(("midlayer.self_attn.", "midlayer.mlp.")):
+            tensors[name] = torch.zeros_like(t)
+    fc = torch.zeros(h, 3 * h)
+    fc[:, 2 * h :] = torch.eye(h)  # the last tapped state (layer n, before the final norm)
+    tensors["fc.weight"] = fc
+    tensors["norm.weight"] = weights["model.norm.weight"].clone()
+    config = json.loads((out / "config.json").read_text())
+    if draft_ids is None:
+        tensors["lm_head.weight"] = lm_head.clone()
+    else:
+        ids = torch.as_tensor(sorted(set(draft_ids)), dtype=torch.long)
+        tensors["lm_head.weight"] = lm_head[ids].clone()
+        tensors["d2t"] = ids - torch.arange(ids.numel())
+        config["draft_vocab_size"] = ids.numel()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_eagle3_head(tmp_path_factory, tiny_model_dir) -> Path:
     """A random EAGLE-3 head for `tiny_model_dir` (acceptance ~0, but it loads and drafts)."""
@@ -378,3 +415,143 @@ def tiny_dataset(tmp_path_factory, tiny_model_dir) -> Path:
     """24 self-distilled conversations of the tiny target (states by transformers)."""
     prompts = [f"Write a short note about topic number {i}." for i in range(24)]
     return build_hf_dataset(tmp_path_factory.mktemp("data") / "tiny", tiny_model_dir, prompts)
+
+
+# Tiny targets WITH MTP layers (tests/test_mtp.py), kept apart from FAMILIES so the family
+# matrix is unchanged. transformers has no MTP modules for these families: the base model is
+# transformers' own (MiMo's is Qwen2, which vLLM's MiMoForCausalLM extends), and the MTP
+# tensors are written into the safetensors in the names and shapes vLLM's *_mtp.py load.
+MTP_FAMILIES = {
+    "mimo": dict(base="qwen2", architectures=["MiMoForCausalLM"]),
+    "ernie4_5_moe": dict(
+        base=dict(
+            model_type="ernie4_5_moe",
+            template="ernie",
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=64,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            use_bias=False,
+        ),
+    ),
+    "glm4_moe": dict(
+        base=dict(
+            model_type="glm4_moe",
+            template="chatml",
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.5,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5
+            ),
+        ),
+    ),
+}
+
+
+def mtp_layer_tensors(family: str, config: dict, seed: int) -> dict:
+    """Random MTP tensors of a tiny target, named as the family's checkpoints name them."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.08
+
+    def mlp(prefix: str, inter: int) -> dict:
+        return {
+            f"{prefix}gate_proj.weight": w(inter, h),
+            f"{prefix}up_proj.weight": w(inter, h),
+            f"{prefix}down_proj.weight": w(h, inter),
+        }
+
+    layer = {
+        "self_attn.q_proj.weight": w(heads * hd, h),
+        "self_attn.k_proj.weight": w(kv * hd, h),
+        "self_attn.v_proj.weight": w(kv * hd, h),
+        "self_attn.o_proj.weight": w(h, heads * hd),
+        "input_layernorm.weight": 1 + w(h),
+        "post_attention_layernorm.weight": 1 + w(h),
+    }
+    if family in ("mimo", "glm4_moe"):  # q/k/v biases (Qwen2; GLM with attention_bias)
+        layer |= {
+            f"self_attn.{p}_proj.bias": w(d)
+            for p, d in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))
+        }
+    if family == "mimo":
+        p = "model.mtp_layers.0."
+        out = {p + k: v for k, v in (layer | mlp("mlp.", i)).items()}
+        return out | {
+            p + "token_layernorm.weight": 1 + w(h),
+            p + "hidden_layernorm.weight": 1 + w(h),
+            p + "input_proj.weight": w(h, 2 * h),
+            p + "final_layernorm.weight": 1 + w(h),
+        }
+    if family == "ernie4_5_moe":
+        out = {"model.mtp_block.0." + k: v for k, v in (layer | mlp("mlp.", i)).items()}
+        return out | {
+            "model.mtp_emb_norm.0.weight": 1 + w(h),
+            "model.mtp_hidden_norm.0.weight": 1 + w(h),
+            "model.mtp_linear_proj.0.weight": w(h, 2 * h),
+        }
+    e, mi = config["n_routed_experts"], config["moe_intermediate_size"]
+    moe = {"mlp.gate.weight": w(e, h), "mlp.gate.e_score_correction_bias": w(e)}
+    for x in range(e):
+        moe |= mlp(f"mlp.experts.{x}.", mi)
+    moe |= mlp("mlp.shared_experts.", mi * config["n_shared_experts"])
+    p = f"model.layers.{n}."
+    out = {p + k: v for k, v in (layer | moe).items()}
+    return out | {
+        p + "enorm.weight": 1 + w(h),
+        p + "hnorm.weight": 1 + w(h),
+        p + "eh_proj.weight": w(h, 2 * h),
+        p + "shared_head.norm.weight": 1 + w(h),
+    }
+
+
+def build_mtp_target(
+    out: Path,
+    tokenizer_dir: Path,
+    family: str,
+    seed: int = 0,
+    norm_scale: float = 1.0,
+    mtp_layers: int = 1,
+) -> Path:
+    """A tiny random target of an MTP family (MTP_FAMILIES) with ``mtp_layers`` MTP layers
+    declared in its config (0: a target without them) and its first one in the safetensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    spec = MTP_FAMILIES[family]
+    base = spec["base"]
+    if isinstance(base, dict):
+        FAMILIES.setdefault(f"_mtp_{family}", base)
+        base = f"_mtp_{family}"
+    build_tiny_target(out, tokenizer_dir, base, seed=seed, norm_scale=norm_scale)
+    config = json.loads((out / "config.json").read_text())
+    config |= {"num_nextn_predict_layers": mtp_layers}
+    if "architectures" in spec:
+        config["architectures"] = spec["architectures"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if mtp_layers:
+        tensors = load_file(out / "model.safetensors")
+        tensors |= mtp_layer_tensors(family, config, seed + 1000)
+        save_file(tensors, out / "model.safetensors", {"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_mtp_target(smollm2_dir):
+    """Builder of tiny MTP targets: ``make_mtp_target(out_dir, "mimo", seed=1)``."""
+    return lambda out, family, **kw: build_mtp_target(out, smollm2_dir, family, **kw)

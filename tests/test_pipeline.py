@@ -401,6 +401,8 @@ def test_dry_run_checks_the_target_and_bad_input_is_one_line(tmp_path, tiny_mode
         ([*base, "--train.model.draft_vocab_size", "10000000"], "larger than the target's"),
         ([*base, f"--model={broken}"], "config.json: is not valid JSON"),
         ([*base, "--train.model.kind", "eagle9"], "'eagle9' is not a choice; use one of ["),
+        ([*base, "--train.model.kind", "mtp"], "train.model.kind mtp: the target's architecture"),
+        ([*base, "--train.model.kind", "dspark"], "train.model.kind dspark: the target's arch"),
         ([*base, "--eval.method", "eagle9"], "'eagle9' is not a choice; use one of ["),
     ]
     for args, said in cases:

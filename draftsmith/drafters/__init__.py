@@ -4,6 +4,7 @@
     eagle1/   EAGLE-1
     dflash/   DFlash
     dspark/   DSpark (DFlash-style block + Markov head + confidence head)
+    mtp/      the target's own MTP layer, fine-tuned (vLLM's method mtp)
 
 What kinds share lives once beside them: ``layers`` (norms, rope, attention), ``llama`` (the
 Llama-style head base), ``ttt`` and ``ttt_objective`` (training-time test), ``loss`` (the
@@ -28,6 +29,7 @@ from draftsmith.drafters.dflash import DFlash
 from draftsmith.drafters.dspark import DSpark
 from draftsmith.drafters.eagle1 import Eagle1
 from draftsmith.drafters.eagle3 import Eagle3
+from draftsmith.drafters.mtp import MTP
 from draftsmith.drafters.options import defaults, field_docs
 from draftsmith.drafters.protocol import Drafter
 
@@ -173,3 +175,4 @@ register(Eagle3)
 register(Eagle1)
 register(DFlash)
 register(DSpark)
+register(MTP)

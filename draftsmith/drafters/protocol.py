@@ -117,6 +117,11 @@ class Drafter:
         """k of the validation walk: the drafts per step vLLM serves this head with."""
         raise NotImplementedError
 
+    @classmethod
+    def check_target(cls, target: TargetInfo, options: dict[str, Any]) -> None:
+        """Refuse, in one line, a target this kind cannot train for with ``options`` (the
+        ``model`` section as given): the pipeline asks before any engine starts."""
+
     def restore(self, head: nn.Module, state: dict[str, Tensor] | None) -> None:
         """Recompute derived buffers after a checkpoint's weights were loaded (``state``: the
         module's state dict, or None when a sharded strategy loaded the weights itself)."""

@@ -38,7 +38,7 @@ class TargetWeights:
     norm_eps: float
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
+def tensor_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -68,7 +68,7 @@ def target_dir(model: str) -> Path:
     return model_dir
 
 
-def _read(files: dict[str, Path], name: str, dtype: torch.dtype) -> Tensor:
+def read_tensor(files: dict[str, Path], name: str, dtype: torch.dtype) -> Tensor:
     with open_safetensors(files[name], "target weights", FIX) as f:
         return f.get_tensor(name).to(dtype)
 
@@ -80,11 +80,11 @@ def load_target_layer(
     ``self_attn.q_proj.weight`` [n_heads * hd, H], ``mlp.up_proj.weight`` [I, H],
     ``input_layernorm.weight`` [H], ... (biases and extra norms as the checkpoint has them)."""
     model_dir = target_dir(model)
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir)
     for prefix in (p.format(i=layer) for p in LAYER_PREFIXES):
         names = [n for n in files if n.startswith(prefix)]
         if names:
-            return {n.removeprefix(prefix): _read(files, n, dtype) for n in names}
+            return {n.removeprefix(prefix): read_tensor(files, n, dtype) for n in names}
     tried = [p.format(i=layer) + "*" for p in LAYER_PREFIXES]
     raise TargetError(f"model: {model_dir} has no tensors of decoder layer {layer} ({tried})")
 
@@ -93,11 +93,11 @@ def load_target_weights(target: TargetInfo, dtype: torch.dtype = torch.float32) 
     """Read the shared tensors of ``target`` (from ``read_target``)."""
     model_dir = target_dir(target.path)
     config, text = target.config, target.text_config
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir)
 
     def read(kind: str) -> Tensor | None:
         name = next((n for n in NAMES[kind] if n in files), None)
-        return None if name is None else _read(files, name, dtype)
+        return None if name is None else read_tensor(files, name, dtype)
 
     embed, norm, lm_head = read("embed"), read("norm"), read("lm_head")
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))

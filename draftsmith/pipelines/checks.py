@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from draftsmith import drafters
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.targets import EMBEDDED, read_target, validate_layer_ids
 from draftsmith.pipelines.config import PipelineConfig, PipelineError
@@ -43,6 +44,10 @@ def check_against_target(cfg: PipelineConfig) -> list[str]:
             problems.append(f"extract.{err}")
 
     model: dict[str, Any] = (cfg.train or {}).get("model") or {}
+    try:  # a kind that cannot train for this target says so before the extraction runs
+        drafters.get(str(model.get("kind", "eagle3"))).check_target(target, model)
+    except DraftsmithError as err:
+        raise PipelineError(f"train.{err}") from None
     draft_vocab = model.get("draft_vocab_size")
     if isinstance(draft_vocab, int) and draft_vocab > vocab:
         problems.append(

@@ -91,6 +91,11 @@ class DSpark(Drafter):
                 "a positive gamma"
             )
 
+    @classmethod
+    def check_target(cls, target: TargetInfo, options: dict[str, Any]) -> None:
+        if not options.get("simulate_only"):
+            check_target(target)
+
     def build(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
         opt = self.options
         if not opt.simulate_only:
