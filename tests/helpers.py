@@ -59,7 +59,7 @@ def fit_then_validate(section: dict, tmp_path) -> tuple:
 
 
 def serve_head(target, head, prompts: list[str], tmp_path, method: str, *extra: str) -> dict:
-    """``draftsmith eval`` of ``head`` on ``prompts`` (k = 3, 48 tokens, lossless check on);
+    """``draftsmith eval`` of ``head`` on ``prompts`` (k = 3, 48 tokens, greedy, lossless check);
     asserts the run was lossless with drafts accepted and returns its results.json row."""
     import json
 
@@ -67,7 +67,7 @@ def serve_head(target, head, prompts: list[str], tmp_path, method: str, *extra: 
 
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    args = [f"--model={target}", f"--head={head}", "--k=[3]", *extra]
+    args = [f"--model={target}", f"--head={head}", "--k=[3]", "--temperatures=[0.0]", *extra]
     args += [f"--datasets=[{prompt_file}]", "--max_tokens=48", "--concurrency=16"]
     args += ["--baselines=[none]", "--lossless=true", "--wandb=false"]
     assert cli_main(["eval", *args, f"--output={tmp_path / 'eval'}"]) == 0

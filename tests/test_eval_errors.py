@@ -101,7 +101,7 @@ def test_time_limit_skips_baselines_that_would_overrun(
     def engine_run(cfg, model, method, prompts, kwargs):
         ran.append(method.name)
         time.sleep(0.3)
-        return [], {(d, 0.0): [[1, 2, 3]] * len(p) for d, p in prompts.items()}
+        return [], {(d, 0.0): [[1, 2, 3]] * len(p) for d, p in prompts.items()}, {}
 
     monkeypatch.setattr(runs, "offline_runs", engine_run)
     find_spec = importlib.util.find_spec  # suffix needs arctic-inference; the stand-in does not

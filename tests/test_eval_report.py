@@ -382,7 +382,8 @@ def test_report_names_each_methods_fastest_k(tmp_path):
     text = write_report(results, tmp_path, wandb=False).read_text(encoding="utf-8")
     # mt_bench: ngram is fastest at k=3 (90 s), the head at k=3 (60 s); derived k=2 is untimed.
     assert (
-        "Best k by tokens/s: ngram k=3 133.3 tok/s (1.11x none), eagle3 k=3 200.0 tok/s "
+        "Best k by tokens/s at temperature 0.0: ngram k=3 133.3 tok/s (1.11x none), eagle3 k=3 "
+        "200.0 tok/s "
         "(1.67x none); none 120.0 tok/s." in text
     )
     slow_k3 = [r for r in results["runs"] if not (r["method"] == "eagle3" and r["k"] == 3)]

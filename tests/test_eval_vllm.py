@@ -50,6 +50,7 @@ def offline(tmp_path_factory, tiny_model_dir, tiny_eagle3_head, prompts):
             "--k=[1,3]",
             "--max_tokens=24",
             "--concurrency=4",
+            "--temperatures=[0.0]",
             f"--output={out}",
             "--wandb=false",
         ]
@@ -97,6 +98,7 @@ def test_lossless_check_catches_another_target(tmp_path, make_tiny_llama, offlin
             "--baselines=[none]",
             "--lossless=false",
             "--max_tokens=24",
+            "--temperatures=[0.0]",
             f"--output={out}",
             "--wandb=false",
         ]
@@ -128,6 +130,7 @@ def test_server_mode_measures_the_head_on_loopback(
             "--max_tokens=16",
             "--concurrency=2",
             "--mode=server",
+            "--temperatures=[0.0]",
             f"--output={out}",
             "--wandb=false",
         ]

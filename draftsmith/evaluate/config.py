@@ -33,8 +33,29 @@ class EvalConfig:
     of each row is the prompt."""
     limit: int | None = None
     """Use at most this many prompts per dataset."""
-    temperatures: list[float] = field(default_factory=lambda: [0.0])
-    """Sampling temperatures; the lossless check uses the greedy (0.0) runs."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Sampling temperatures, each measured on the same prompts (chat is served sampled); the
+    lossless check uses the greedy (0.0) runs."""
+    draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    """How vLLM draws the head's (or draft model's) drafts at temperature > 0: greedy (argmax,
+    draft probabilities taken as one-hot) or probabilistic (sampled, full draft probabilities
+    in the rejection test); null: vLLM's default (greedy in 0.32). Refused when the installed
+    vLLM lacks the option or the value; the report names what ran."""
+    expected_acceptance: bool = True
+    """Recompute an EAGLE-3 head's greedy drafts in torch on the served replies and report
+    served acceptance against expected (the target's probability of each draft at the
+    temperature), flagging gaps over 5%. One target forward per reply (seconds on CPU)."""
+    sampling_check: bool = False
+    """At each temperature > 0, sample the first `sampling_check_tokens` reply tokens
+    `sampling_check_samples` times for `sampling_check_prompts` prompts with every method and
+    with no speculation, and test that the distributions match (chi-square, offline mode)."""
+    sampling_check_prompts: int = 4
+    """Prompts (the first of the first dataset) the sampling check uses."""
+    sampling_check_samples: int = 400
+    """Samples per prompt and method in the sampling check."""
+    sampling_check_tokens: int = 2
+    """Leading reply tokens compared as one outcome (the first is sampled before any draft,
+    so at least 2 are needed to see speculation)."""
     max_tokens: int = 256
     """Longest reply, in tokens."""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)

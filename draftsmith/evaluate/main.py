@@ -88,11 +88,16 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         if gone := overlap["train_shards_unchecked"]:
             say(f"eval: {gone} streamed training shards were deleted after use (policy "
                 "drop or recapture) and could not be checked")  # fmt: skip
+    from draftsmith.evaluate.vllm_defects import defects
+
+    known = defects(cfg.temperatures)
+    for line in known:
+        say(f"eval: warning: {line}")
     longest = max(len(p) for ps in prompts.values() for p in ps)
     kwargs = engine_kwargs(target.path, cfg.engine, longest + cfg.max_tokens + 8)
     kwargs.pop("model")
 
-    records, outputs = [], {}
+    records, outputs, draws = [], {}, {}
     methods = runs.plan_methods(cfg, ks)
     n_prompts = sum(map(len, prompts.values()))
     say(f"eval: {len(methods)} engines x {n_prompts} prompts ({', '.join(prompts)})")
@@ -118,7 +123,8 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
 
             recs, outs = server_runs(cfg, target.path, method, chats, kwargs)
         else:
-            recs, outs = runs.offline_runs(cfg, target.path, method, prompts, kwargs)
+            recs, outs, drawn = runs.offline_runs(cfg, target.path, method, prompts, kwargs)
+            draws.update(drawn)
         records += recs
         for key, value in outs.items():
             outputs[(method, *key)] = value
@@ -138,6 +144,15 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         if cfg.head and rec["method"] == cfg.method and rec["temperature"] == 0.0:
             got = outputs[(runs.Method(rec["method"], rec["k"]), rec["dataset"], 0.0)]
             rec["draft_vocab_coverage"] = runs.draft_vocab_coverage(cfg.head, got)
+    if cfg.head and cfg.expected_acceptance:
+        add_expected(cfg, target, records, outputs, prompts)
+    sampling = None
+    if cfg.sampling_check:
+        from draftsmith.evaluate.sampling import check
+
+        sampling = check(draws) if draws else None
+        if sampling is None:
+            say("eval: sampling_check skipped: it needs mode offline and a temperature > 0")
     if cfg.derive_k:
         for rec in list(records):
             if rec["counters"] and rec["k"] == max(ks):
@@ -162,10 +177,55 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         "head": {"path": cfg.head, "method": cfg.method, "config": head_config}
         if cfg.head
         else None,
+        "draft_sample_method": runs.draft_sample_method_used(cfg),
+        "vllm_defects": known,
         "overlap": overlap,
         "skipped": skipped,
+        "sampling_check": sampling,
         "runs": records,
     }, generations
+
+
+def add_expected(cfg: EvalConfig, target, records: list[dict], outputs: dict, prompts) -> None:
+    """Each head run's served acceptance against what the target's probabilities of the head's
+    drafts predict (``expected.py``), as ``rec["expected"]``; runs it cannot recompute say why
+    in ``rec["expected_skipped"]``."""
+    from draftsmith.evaluate import runs
+    from draftsmith.evaluate.expected import DraftReplica, compare
+
+    why = None
+    if cfg.method != "eagle3":
+        why = f"computed for eagle3 heads only, not {cfg.method}"
+    elif runs.draft_sample_method_used(cfg) != "greedy":
+        why = "computed for greedy drafts only (draft_sample_method: probabilistic)"
+    elif cfg.mode != "offline":
+        why = "computed in offline mode only (the server renders its own prompts)"
+    heads = [r for r in records if r["method"] == cfg.method and r["counters"]]
+    if why:
+        for rec in heads:
+            rec["expected_skipped"] = why
+        say(f"eval: expected acceptance skipped: {why}")
+        return
+    replica = None
+    for rec in heads:
+        method = runs.Method(rec["method"], rec["k"])
+        replies = outputs[(method, rec["dataset"], rec["temperature"])]
+        try:  # after every engine ran, a replica that cannot run must not lose the results
+            replica = replica or DraftReplica(cfg.head, target)
+            got = replica.expected(prompts[rec["dataset"]], replies, rec["temperature"], rec["k"])
+        except Exception as err:
+            why = f"the torch replica failed ({type(err).__name__}: {err})"
+            say(f"eval: expected acceptance skipped: {why}")
+            for r in heads:
+                r.setdefault("expected_skipped", why)
+            return
+        rec["expected"] = compare(rec["counters"], got)
+        e = rec["expected"]
+        if e["flag"] == "gap":
+            say(f"eval: {rec['method']} k={rec['k']} on {rec['dataset']} at temperature "
+                f"{rec['temperature']}: served {e['served_per_draft']:.3f} accepted per draft, "
+                f"expected {e['expected_per_draft']:.3f}"
+                + (f" (z {e['z']:.1f})" if e["z"] is not None else ""))  # fmt: skip
 
 
 def main(args: list[str] | None = None) -> int:
@@ -182,9 +242,20 @@ def check_ranges(cfg: EvalConfig) -> None:
         check_temperature("temperatures", t)
     check_k(cfg.k)
     check_engine_options(cfg.engine)
+    from draftsmith.evaluate.runs import check_draft_sample_method
+
+    check_draft_sample_method(cfg.draft_sample_method)
+    if cfg.sampling_check and cfg.mode != "offline":
+        raise ConfigError("sampling_check: true needs mode: offline; turn one of them off")
+    if cfg.sampling_check_tokens < 2:
+        raise ConfigError(
+            f"sampling_check_tokens: {cfg.sampling_check_tokens}; give at least 2 (the first "
+            "reply token is sampled before any draft)"
+        )
     if cfg.seed < 0:
         raise ConfigError(f"seed: {cfg.seed} is out of range; give a number >= 0")
-    for name in ("limit", "max_tokens", "concurrency", "overlap_ngram", "time_limit"):
+    names = ("limit", "max_tokens", "concurrency", "overlap_ngram", "time_limit")
+    for name in (*names, "sampling_check_prompts", "sampling_check_samples"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(
@@ -214,8 +285,11 @@ def run_stage(cfg: EvalConfig) -> int:
     bad = [r for r in results["runs"] if r["lossless"] and r["lossless"]["mismatches"]]
     if bad:
         say(f"eval: {len(bad)} run(s) changed greedy outputs: see {report}")
-        return 1
-    return 0
+    failed = [row for row in results.get("sampling_check") or [] if not row["passed"]]
+    if failed:
+        say(f"eval: {len(failed)} sampling check(s) found speculation changing what is "
+            f"sampled: see {report}")  # fmt: skip
+    return 1 if bad or failed else 0
 
 
 if __name__ == "__main__":

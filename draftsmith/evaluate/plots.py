@@ -1,5 +1,6 @@
 """The evaluate stage's plots: per-position acceptance, acceptance length and tokens per
-step against k, and speedup against no speculation (bars when a single k was timed).
+step against k, and speedup against no speculation (bars when a single k was timed), one set
+per temperature, each titled with its temperature.
 
 Each plot function takes the runs of one temperature and returns whether it drew anything;
 a plot without data is not written, and a stale one from an earlier run is removed.
@@ -131,19 +132,27 @@ PLOTS = {  # file name: plot(runs, method, title suffix, path) -> written
 }
 
 
+def plot_name(name: str, temperature: float, first: bool) -> str:
+    """The file of a plot at ``temperature``: the plain name for the first (greedy when
+    measured) temperature, ``<name>_T<temperature>.png`` for the others."""
+    return name if first else name.replace(".png", f"_T{float(temperature)}.png")
+
+
 def write_plots(results: dict, out_dir: Path) -> list[str]:
-    """Write every plot there is data for (greedy runs if any); return the file names."""
+    """Write every plot there is data for, one set per temperature (greedy first, under the
+    plain names); return the file names."""
     method = drafter(results)
     written = []
     if method is not None and results["runs"]:
-        temps = {r["temperature"] for r in results["runs"]}
-        temperature = 0.0 if 0.0 in temps else min(temps)
-        runs = [r for r in results["runs"] if r["temperature"] == temperature]
-        written = [
-            name
-            for name, plot in PLOTS.items()
-            if plot(runs, method, f"(temperature {float(temperature)})", out_dir / name)
-        ]
-    for name in PLOTS.keys() - written:  # a stale plot from an earlier run would mislead
+        temps = sorted({r["temperature"] for r in results["runs"]})
+        for i, temperature in enumerate(temps):
+            runs = [r for r in results["runs"] if r["temperature"] == temperature]
+            title = f"(temperature {float(temperature)})"
+            for name, plot in PLOTS.items():
+                file = plot_name(name, temperature, i == 0)
+                if plot(runs, method, title, out_dir / file):
+                    written.append(file)
+    stale = [p.name for name in PLOTS for p in out_dir.glob(name.replace(".png", "_T*.png"))]
+    for name in (set(PLOTS) | set(stale)) - set(written):  # a stale plot would mislead
         (out_dir / name).unlink(missing_ok=True)
     return written

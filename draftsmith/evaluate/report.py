@@ -103,7 +103,86 @@ def best_k(runs: list[dict]) -> str | None:
         for m, r in best.items()
     ]
     base = f"; none {none['output_tok_s']:.1f} tok/s" if none else ""
-    return "Best k by tokens/s: " + ", ".join(parts) + base + "."
+    temperature = float(next(iter(best.values()))["temperature"])
+    return f"Best k by tokens/s at temperature {temperature}: " + ", ".join(parts) + base + "."
+
+
+VERDICTS = {"gap": "**GAP**", "noise": "within noise", None: "ok"}
+EXPECTED_COLUMNS = ("method", "k", "served accepted/draft", "expected", "per position served")
+EXPECTED_COLUMNS += ("per position expected", "gap", "z", "verdict")
+
+
+def expected_cells(run: dict) -> list[str]:
+    """One head run's served acceptance against expected (``expected.compare``)."""
+    e = run["expected"]
+
+    def pos(key: str) -> str:
+        return " / ".join(fmt(p, 2) for p in e[key]) if e.get(key) else DASH
+
+    gap = e.get("relative_gap")
+    verdict = VERDICTS[e.get("flag")]
+    return [
+        run["method"],
+        str(run["k"]),
+        fmt(e.get("served_per_draft"), 3),
+        fmt(e.get("expected_per_draft"), 3),
+        pos("served_per_pos"),
+        pos("expected_per_pos"),
+        DASH if gap is None else fmt(100 * gap, 1, "%"),
+        fmt(e.get("z"), 1),
+        verdict,
+    ]
+
+
+def expected_lines(runs: list[dict]) -> list[str]:
+    """report.md's served-vs-expected table of one (dataset, temperature) group."""
+    rows = [r for r in runs if r.get("expected")]
+    skipped = {r["expected_skipped"] for r in runs if r.get("expected_skipped")}
+    lines = []
+    if rows:
+        temperature = float(rows[0]["temperature"])
+        lines += [
+            "",
+            f"Served vs expected acceptance at temperature {temperature} (expected: the "
+            "target's probability of each of the head's greedy drafts, recomputed on the "
+            "served replies; a gap over 5% beyond 3 standard errors is flagged):",
+            "",
+            "| " + " | ".join(EXPECTED_COLUMNS) + " |",
+            "|" + "---|" * len(EXPECTED_COLUMNS),
+        ]
+        lines += ["| " + " | ".join(expected_cells(r)) + " |" for r in rows]
+    for why in sorted(skipped):
+        lines += ["", f"Expected acceptance not computed: {why}."]
+    return lines
+
+
+def sampling_lines(results: dict) -> list[str]:
+    """report.md's sampling-check section (``sampling.py``)."""
+    rows = results.get("sampling_check")
+    if not rows:
+        return []
+    cfg = results.get("config") or {}
+    first = rows[0]
+    lines = [
+        "",
+        "## Does speculation change what is sampled?",
+        "",
+        f"The first {cfg.get('sampling_check_tokens', '?')} reply tokens of "
+        f"{cfg.get('sampling_check_prompts', '?')} prompts, {first['n_a']} samples each, with "
+        "each method against no speculation: chi-square test of homogeneity, outcomes with "
+        f"under 5 expected counts pooled; a p-value under {first['alpha']:.2g} (1% over all "
+        "tests, Bonferroni) fails.",
+        "",
+        "| method | temperature | prompt | outcomes | chi2 (df) | p-value | TV | passed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {float(r['temperature'])} | {r['prompt']} | {r['outcomes']} | "
+            f"{r['chi2']:.1f} ({r['df']}) | {r['p_value']:.3g} | {r['tv']:.3f} | "
+            f"{'yes' if r['passed'] else '**no**'} |"
+        )
+    return lines
 
 
 def summary_table(results: dict) -> str:
@@ -117,6 +196,19 @@ def summary_table(results: dict) -> str:
         return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
 
     notes = [n.removeprefix("\\") for n in footnotes(results["runs"])]
+    for r in sorted_runs(results):
+        if e := r.get("expected"):
+            verdict = VERDICTS[e["flag"]].replace("*", "")
+            notes.append(
+                f"{r['dataset']} T={float(r['temperature'])} {r['method']} k={r['k']}: served "
+                f"{fmt(e['served_per_draft'], 3)} accepted per draft, expected "
+                f"{fmt(e['expected_per_draft'], 3)} ({verdict})"
+            )
+    checks = results.get("sampling_check") or []
+    if checks:
+        failed = sum(not c["passed"] for c in checks)
+        notes.append(f"sampling check: {len(checks) - failed}/{len(checks)} passed")
+    notes += [f"WARNING: {line}" for line in results.get("vllm_defects") or []]
     table = [line(header), line(["-" * w for w in widths]), *map(line, rows), *notes]
     return "\n".join([setup_line(results), *table])
 
@@ -151,6 +243,11 @@ def markdown(results: dict, plots: list[str]) -> str:
         "tokens/step = output tokens per target verification step (compare methods on this: "
         "ngram drafts only where it finds a match, which flatters its acceptance length).",
     ]
+    for line in results.get("vllm_defects") or []:
+        lines += ["", f"**Warning: {line}.** Only the temperature 0 tables stand."]
+    if head and results.get("draft_sample_method"):
+        lines += ["", f"Drafts drawn {results['draft_sample_method']} (vLLM's "
+                  "`draft_sample_method`) at every temperature > 0."]  # fmt: skip
     if results.get("skipped"):
         gone = ", ".join(f"{s['method']} k={s['k']}" for s in results["skipped"])
         lines += ["", f"Skipped by the time limit ({cfg.get('time_limit')} s): {gone}."]
@@ -178,6 +275,7 @@ def markdown(results: dict, plots: list[str]) -> str:
                 f"{100 * cover['covered']:.1f}% of the target's {cover['tokens']:,} greedy output "
                 "tokens here; the rest can never be drafted.",
             ]
+        lines += expected_lines(runs)
         bad = [r for r in runs if r.get("lossless") and r["lossless"]["mismatches"]]
         if bad:
             lines += ["", "Greedy outputs that differ from no speculation:", ""]
@@ -189,6 +287,7 @@ def markdown(results: dict, plots: list[str]) -> str:
             ]
             if len(mismatches) > MAX_MISMATCHES:
                 lines.append(f"{run}: … and {len(mismatches) - MAX_MISMATCHES} more")
+    lines += sampling_lines(results)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.removesuffix('.png').replace('_', ' ')}]({p})" for p in plots]

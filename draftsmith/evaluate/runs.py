@@ -38,7 +38,48 @@ class Method:
             spec = kind.speculative_config(self.name, cfg.head, self.k)
         elif self.name == "draft_model":
             spec["model"] = cfg.draft_model
+        if cfg.draft_sample_method and self.name not in ("ngram", "suffix"):  # a model drafts
+            spec["draft_sample_method"] = cfg.draft_sample_method
         return spec
+
+
+def check_draft_sample_method(value: str | None) -> None:
+    """Refuse a ``draft_sample_method`` the installed vLLM lacks, before any engine starts."""
+    if value is None:
+        return
+    import typing
+
+    import vllm
+    from vllm.config.speculative import SpeculativeConfig
+
+    from draftsmith.core.errors import ConfigError
+
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
+    if "draft_sample_method" not in fields:
+        raise ConfigError(
+            f"draft_sample_method: {value!r}, but vLLM {vllm.__version__} has no such option; "
+            "leave it null"
+        )
+    import vllm.config.speculative as spec_module
+
+    choices = typing.get_args(getattr(spec_module, "DraftSampleMethod", None)) or ()
+    if choices and value not in choices:
+        raise ConfigError(
+            f"draft_sample_method: {value!r} is not one of vLLM {vllm.__version__}'s "
+            f"{list(choices)}; pick one or leave it null"
+        )
+
+
+def draft_sample_method_used(cfg: EvalConfig) -> str | None:
+    """What vLLM drew drafts with: the option, else vLLM's default (None if it has none)."""
+    if cfg.draft_sample_method:
+        return cfg.draft_sample_method
+    try:
+        from vllm.config.speculative import SpeculativeConfig
+
+        return SpeculativeConfig.__dataclass_fields__["draft_sample_method"].default
+    except (ImportError, KeyError, AttributeError):
+        return None
 
 
 def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
@@ -129,6 +170,7 @@ def derive_smaller_k(record: dict, k: int) -> dict:
         # Same steps, each yielding one target token plus its first-k accepted drafts.
         tokens_per_step=(steps + accepted) / steps if steps else None,
         lossless=None,
+        expected=None,  # the replay walked k drafts, not these
     )
     return out
 
@@ -163,8 +205,9 @@ def offline_runs(
     method: Method,
     prompts: dict[str, list[list[int]]],
     engine_kwargs: dict,
-) -> tuple[list, dict]:
-    """`measure` with an in-process `vllm.LLM` for this method."""
+) -> tuple[list, dict, dict]:
+    """`measure` with an in-process `vllm.LLM` for this method; with ``sampling_check``, also
+    its draws of leading reply tokens ``{(method, temperature): [Counter per prompt]}``."""
     from vllm import LLM, SamplingParams
 
     from draftsmith.core.engine import close_engine
@@ -184,7 +227,7 @@ def offline_runs(
         return tokens, sum(map(len, tokens)), seconds
 
     try:
-        return measure(
+        records, outputs = measure(
             cfg,
             method,
             "offline",
@@ -192,6 +235,16 @@ def offline_runs(
             generate,
             lambda: from_offline_metrics(llm.get_metrics()),
         )
+        draws = {}
+        if cfg.sampling_check:
+            from draftsmith.evaluate.sampling import draw
+
+            first = next(iter(prompts.values()))[: cfg.sampling_check_prompts]
+            for t in (t for t in cfg.temperatures if t > 0):
+                n, m = cfg.sampling_check_samples, cfg.sampling_check_tokens
+                label = method.name + (f" k={method.k}" if method.k else "")
+                draws[(label, t)] = draw(llm, first, t, n, m)
+        return records, outputs, draws
     finally:
         close_engine(llm)
 
