@@ -45,11 +45,16 @@ def expand_is_broken() -> bool:
 
 
 def defects(temperatures: list[float]) -> list[str]:
-    """One line per known defect of the installed vLLM that touches this evaluation."""
+    """One line per known defect of the installed vLLM that touches this evaluation: the
+    engine's processes load ``core/vllm_fixes.py`` when its entry point is installed, so the
+    probe runs with the fix applied here too; without it, vLLM's own kernel is probed."""
+    from draftsmith.core import vllm_fixes
     from draftsmith.core.engine import on_cpu
 
     if not any(t > 0 for t in temperatures) or not on_cpu():
         return []
+    if vllm_fixes.installed():
+        vllm_fixes.apply()
     try:
         broken = expand_is_broken()
     except Exception:  # a vLLM without these internals: nothing known to be wrong
