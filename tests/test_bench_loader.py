@@ -102,3 +102,19 @@ def test_bench_train_with_data_times_the_loaders_own_batches(tmp_path):
     assert len(batches) >= 3  # the warm-up step, then the two timed ones
     assert result["real_tokens"] == sum(int((b["doc_ids"] >= 0).sum()) for b in batches[1:3])
     assert result["real_tokens_per_s"] > 0
+
+
+def test_bench_loader_in_shard_order_reads_every_token_with_several_workers(tmp_path, capsys):
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "result.json"
+    args = [f"--model={target}", "--tokens=300", "--sample_tokens=40", "--samples_per_shard=2",
+            "--row_tokens=64", "--order=shards", "--workers=[0, 2, 3]",
+            "--storage_dtypes=[bfloat16]", "--caches=[warm]", f"--work_dir={tmp_path / 'work'}",
+            f"--output={out}"]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["order"] == "shards" and result["datasets"]["bfloat16"]["shards"] > 3
+    assert [(p["workers"], p["tokens"]) for p in result["passes"]] == [(0, 300), (2, 300), (3, 300)]
+    assert "shards order" in capsys.readouterr().out

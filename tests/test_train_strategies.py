@@ -236,6 +236,7 @@ def test_fsdp_head_is_served_by_vllm(fsdp_run, tmp_path, tiny_model_dir):
     out = tmp_path / "eval"
     args = [f"--model={tiny_model_dir}", f"--head={head}", f"--datasets=[{prompts}]", "--k=[3]"]
     args += ["--baselines=[]", "--lossless=false", "--max_tokens=16", "--concurrency=3"]
+    args += ["--temperatures=[0.0]"]
     args += [f"--output={out}"]
     cmd = [sys.executable, "-m", "draftsmith.evaluate", *args, "--wandb=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

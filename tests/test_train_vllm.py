@@ -32,6 +32,7 @@ def evaluate(target: Path, head: Path, prompt_file: Path, out: Path, *extra: str
             f"--model={target}",
             f"--head={head}",
             f"--k=[{K}]",
+            "--temperatures=[0.0]",
             f"--datasets=[{prompt_file}]",
             "--max_tokens=48",
             "--concurrency=16",

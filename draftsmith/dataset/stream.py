@@ -100,9 +100,11 @@ def sidecar(root: Path, index: int) -> dict[str, Any] | None:
     try:
         return read_sidecar(path)  # written whole (atomically), or not yet
     except DraftsmithError:
-        if path.exists():
-            raise  # there, but damaged
-        return None
+        if not path.exists():
+            return None
+    # Missing when read, there now: renamed into place in between (several loader workers
+    # poll at once), or there but damaged; a second read tells which.
+    return read_sidecar(path)
 
 
 def shard_ready(root: Path, index: int) -> dict[str, Any] | None:

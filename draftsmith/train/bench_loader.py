@@ -10,6 +10,7 @@ DataLoader worker count. Prints a table and writes the figures as JSON.
 
     draftsmith bench-loader                        # Llama-3.1-8B shapes, bf16 and fp8
     draftsmith bench-loader --tokens 196608 --workers '[1, 2, 4]'
+    draftsmith bench-loader --order shards --storage_dtypes '[bfloat16]'   # as streaming reads
 
 The goal it reports against: twice what an H100 trainer consumes at that shape, and the
 disk bandwidth that takes (bytes per token x tokens/s).
@@ -69,6 +70,9 @@ class BenchLoaderConfig:
     """Page cache states: cold (shards evicted before the pass) and/or warm (read before)."""
     workers: list[int] = field(default_factory=lambda: [1, 2])
     """DataLoader worker counts to time (as ``data.num_workers``; 0 = in the main process)."""
+    order: Literal["samples", "shards"] = "samples"
+    """The loader's order (as ``data.order``): samples, or shards (plan order, rows packed
+    within each shard: what a streamed run reads)."""
     seed: int = 0
     """Seeds the sample lengths, token ids, states and the packing."""
     work_dir: str = "outputs/bench-loader"
@@ -174,6 +178,7 @@ def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
         seed=cfg.seed,
         dtype=cfg.dtype,
         check_shards=cfg.check_shards,
+        order=cfg.order,
     )
     loader = module.train_dataloader()
     tokens = row_tokens = batches = 0
@@ -269,7 +274,8 @@ def table(result: dict) -> str:
     lines = [
         f"bench-loader: {len(shape['layer_ids'])} layers {shape['layer_ids']} x hidden "
         f"{shape['hidden_size']}, rows of {cfg['row_tokens']} x {cfg['batch_size']}, states "
-        f"as {cfg['dtype']}; {result['cpus']} CPUs, torch threads {result['torch_threads']}",
+        f"as {cfg['dtype']}, {cfg['order']} order; {result['cpus']} CPUs, torch threads "
+        f"{result['torch_threads']}",
         "pin_memory: on (CUDA)"
         if result["pin_memory"]
         else "pin_memory: not measured (no CUDA: the loader pins only for a GPU); "

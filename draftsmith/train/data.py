@@ -91,8 +91,9 @@ class StatesDataModule(pl.LightningDataModule):
             ``data`` trains, and the simulated acceptance predicts serving on prompts the
             head never saw rather than on the training set's own kind. Same target and
             tapped layers as ``data``.
-        num_workers: DataLoader worker processes (in shard order, and so when streaming:
-            0 or 1; more count as 1, since each worker would read every shard).
+        num_workers: DataLoader worker processes (0: read in the training process). In
+            shard order (and so when streaming) worker ``j % num_workers`` reads batch j of
+            the pass, so every count gives the same batches in the same order.
         seed: seeds the split, the packing and the row order (reshuffled every epoch).
         aux_layers: tapped layer ids that feed the head, concatenated in ascending order;
             default all but the last (EAGLE-3); EAGLE-1 uses the last one alone, ``[N]``.

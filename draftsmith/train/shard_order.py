@@ -13,12 +13,22 @@ offline run over the same shards train the same rows in the same order:
   deleted), turn it into (shard, row), so a resumed run trains exactly the batches the
   interrupted one had not.
 
+With W loader workers (``data.num_workers``) the batches of a pass are dealt round-robin:
+batch j (counted from where the pass starts) is read by worker ``j % W``, and torch's
+DataLoader takes one batch from each worker in turn, so the order, and the head, are those
+of one worker or none. Every worker walks the same schedule (from the sidecars); a shard is
+read only by the workers holding some of its batches, and its checksum is computed by the
+one holding its first batch of the pass (a bad shard fails that batch, which the trainer
+gets before any later batch of the shard).
+
 Streaming adds the producer (``draftsmith.dataset.stream``): before reading a shard the
 loader asks for it and for the next ones, up to this rank's share of the disk bound, waits
 for it, and afterwards deletes it unless the policy keeps it or it holds validation samples.
-Under ``recapture`` the last shards of an epoch are followed, in that list, by the next
-epoch's first ones (when another epoch comes), so the producer captures those again while
-the epoch ends rather than after it.
+With several workers the rank's list is the first shards not yet done by every worker (a
+count per shard in shared memory, written under one lock), and the worker that finishes a
+shard last deletes it. Under ``recapture`` the last shards of an epoch are followed, in
+that list, by the next epoch's first ones (when another epoch comes), so the producer
+captures those again while the epoch ends rather than after it.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from draftsmith.core.console import say
 from draftsmith.dataset import DatasetError, HiddenStatesDataset
@@ -46,6 +56,26 @@ from draftsmith.dataset.stream import (
 from draftsmith.train.packing import PackedDataset, collate, pack
 
 SEED_STRIDE = 1_000_003  # keeps (seed, shard) seeds apart
+TOKENS, TRAIN_S, WAITED_S, SHARDS, ENDED = range(5)  # ``Pass.stats`` slots
+
+
+class Pass:
+    """What the loader workers of one rank share during one pass over its shards (made in
+    the training process before the workers fork; fresh every epoch)."""
+
+    def __init__(self, shards: int, workers: int) -> None:
+        self.workers = workers
+        self.lock = multiprocessing.Lock()
+        self.finished = multiprocessing.Array("i", shards, lock=False)
+        """Per planned shard of the rank (by position): workers done with it this pass."""
+        self.stats = multiprocessing.Array("d", 5, lock=False)
+        """Tokens read, seconds reading (summed over workers), seconds waiting for shards
+        (summed), shards done, workers ended."""
+
+    def add(self, slot: int, value: float) -> float:
+        with self.lock:
+            self.stats[slot] += value
+            return self.stats[slot]
 
 
 def shard_seed(seed: int, shard: int, epoch: int = 0) -> int:
@@ -120,17 +150,19 @@ class ShardBatches(IterableDataset):
         self.stream = stream
         self.streams = StreamDir(plan.root) if stream else None
         self.window = max(1, stream.shards // world) if stream else 0
-        self.epoch, self.skip = 0, 0
-        self.done: list[tuple[int, int]] = []  # (shard, batches) finished this epoch, in order
-        self.read: set[int] = set()  # shards read in full this epoch (maybe deleted already)
-        self.trained_tokens, self.train_s, self.waited_s = 0, 0.0, 0.0
+        self.epoch = 0
+        self.skip = 0  # batches of the epoch trained before a resume (``load_state_dict``)
+        self.start = 0  # the skip of the pass ``prepare`` set up
+        self.shared: Pass | None = None
+        self._prepared = False
+        self._at = {k: i for i, k in enumerate(plan.shards)}  # shard -> position in the plan
         self._beat = 0.0
         self.cut: set[int] | None = None  # the shards a closed stream holds
 
     # ----- position -----------------------------------------------------------------
     def position(self, batches_done: int) -> dict[str, Any]:
         """(shards finished, shard in progress, its batches done) after ``batches_done``,
-        from the plan and the shards' records alone (the loader's worker has the state)."""
+        from the plan and the shards' records alone (the loader's workers have the state)."""
         finished, left = [], batches_done
         for index in self.plan.shards:
             info = self.plan.info(index)
@@ -146,37 +178,71 @@ class ShardBatches(IterableDataset):
         return {"shards_done": finished, "shard": None, "batches_in_shard": left}
 
     # ----- iteration ----------------------------------------------------------------
+    def prepare(self, workers: int) -> None:
+        """Set up the next pass for ``workers`` readers (1 without worker processes), in the
+        training process before they fork: the skip after a resume applies to this pass
+        only, and the shared counts start at zero."""
+        self.start, self.skip = self.skip, 0
+        self.shared = Pass(len(self.plan.shards), workers)
+        self._prepared = True
+
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        if not self._prepared:  # read without a ShardLoader: in this process
+            self.prepare(1)
+        self._prepared = False
+        shared = self.shared
+        assert shared is not None
+        worker = get_worker_info()
+        w, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        if workers != shared.workers:
+            raise RuntimeError(
+                f"ShardBatches: prepared for {shared.workers} readers, read by {workers}; "
+                "read it through a ShardLoader"
+            )
         self.epoch = self.current_epoch()
-        skip, self.skip, self.done, self.read = self.skip, 0, [], set()
+        skip = self.start
         covered = 0  # batches of this epoch yielded or skipped (trained before a resume)
-        mine = self.plan.shards
-        for pos, index in enumerate(mine):
-            info = self._sidecar_or_wait(index, mine[pos:], need_file=False)
+        j = 0  # batches of this pass so far: batch j is worker j % workers's
+        for index in self.plan.shards:
+            info = self._sidecar_or_wait(index, need_file=False)
             if info is None:  # the stream closed without it (its producer's time limit)
+                self._finish(index, None)
                 continue
             n = self.plan.batches(index, info)
             if skip >= n:  # trained before the checkpoint this run resumed from
                 skip -= n
-                self.done.append((index, n))
                 covered += n
+                self._finish(index, info)
                 continue
-            info = self._sidecar_or_wait(index, mine[pos:], need_file=True)
-            if info is None:
-                continue
-            covered += skip
-            for batch in self._shard(index, info, start=skip):
-                covered += 1
-                yield batch
+            own = [b for b in range(skip, n) if (j + b - skip) % workers == w]
+            j, covered, first = j + n - skip, covered + n, skip
             skip = 0
-            self.done.append((index, n))
+            if not own:
+                self._finish(index, info)
+                continue
+            got = self._sidecar_or_wait(index, need_file=True)
+            if got is None:  # recorded, but the stream closed without it after all
+                if workers > 1:  # the others count its batches: the order would break
+                    raise DatasetError(
+                        f"{self.plan.root}: shard {index} was written, then deleted, and "
+                        "the stream closed without it; train it with data.num_workers 1"
+                    )
+                self._finish(index, None)
+                continue
+            yield from self._shard(index, got, own, check=own[0] == first)
         for _ in range(self._rank_padding(covered) - skip):  # skip: padding trained already
-            yield self._empty()
-        if self.streams is not None:
-            self._epoch_line(len(self.done))
+            if j % workers == w:
+                yield self._empty()
+            j += 1
+        if shared.add(ENDED, 1) == workers and self.streams is not None:
+            self._epoch_line(int(shared.stats[SHARDS]))
 
-    def _shard(self, index: int, info: dict[str, Any], start: int) -> Iterator[dict[str, Tensor]]:
-        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards)
+    def _shard(
+        self, index: int, info: dict[str, Any], own: list[int], check: bool
+    ) -> Iterator[dict[str, Tensor]]:
+        """Batches ``own`` (ascending) of shard ``index``. ``check``: this reader hashes
+        the shard (it holds the pass's first batch of it)."""
+        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards and check)
         train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
         rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
         order = torch.randperm(
@@ -185,21 +251,17 @@ class ShardBatches(IterableDataset):
         ).tolist()  # fmt: skip
         packed = PackedDataset(ds, [rows[r] for r in order], self.plan.row_tokens, self.aux_layers)
         bs = self.plan.batch_size
-        count = math.ceil(len(rows) / bs)
         started = time.monotonic()
-        if start >= count:
-            self.read.add(index)
-            self._release(index, info)
-        for b in range(start, count):
+        for b in own:
             items = [packed[r] for r in range(b * bs, min((b + 1) * bs, len(rows)))]
             batch = collate(items)
-            self.trained_tokens += int(batch["loss_mask"].numel() - (batch["doc_ids"] < 0).sum())
-            if b == count - 1:  # read in full: its file can go before the last step trains
-                self.read.add(index)
-                self._release(index, info)
+            tokens = int(batch["loss_mask"].numel() - (batch["doc_ids"] < 0).sum())
+            self.shared.add(TOKENS, tokens)
+            if b == own[-1]:  # read in full: its file can go before the last step trains
+                self._finish(index, info)
             yield batch
             self._heartbeat()
-        self.train_s += time.monotonic() - started
+        self.shared.add(TRAIN_S, time.monotonic() - started)
 
     def _empty(self) -> dict[str, Tensor]:
         """A batch of padding only: no loss, no gradient; keeps ranks in step."""
@@ -219,19 +281,17 @@ class ShardBatches(IterableDataset):
             return 0
         totals = [0] * self.world
         for index in self.plan.all_shards:
-            info = self._sidecar_or_wait(index, [], need_file=False)
+            info = self._sidecar_or_wait(index, need_file=False)
             if info is None:
                 continue
             totals[index % self.world] += self.plan.batches(index, info)
         return max(totals) - mine
 
     # ----- streaming ----------------------------------------------------------------
-    def _sidecar_or_wait(
-        self, index: int, ahead: list[int], need_file: bool
-    ) -> dict[str, Any] | None:
+    def _sidecar_or_wait(self, index: int, need_file: bool) -> dict[str, Any] | None:
         """Shard ``index``'s record (and, with ``need_file``, its file on disk). Streaming,
-        a shard about to be read is announced with the next ones (``ahead``), however it
-        stands: the producer then never acts on an older list; a missing one is waited for.
+        a shard about to be read is announced with the rank's next ones, however it stands:
+        the producer then never acts on an older list; a missing one is waited for.
         None: the stream was closed without it (its producer's time limit)."""
         root = self.plan.root
         if self.streams is None:
@@ -248,50 +308,71 @@ class ShardBatches(IterableDataset):
                 return info
         if not self._kept(index):
             return None
-        want = self._next(ahead or [index])
-        self._tell(want)
+        self._tell(also=index)
         started = time.monotonic()
         info = self.streams.wait_for(
-            index, self.stream.producer_timeout, stop=lambda: self._heartbeat(want)
+            index, self.stream.producer_timeout, stop=lambda: self._heartbeat(also=index)
         )
         if info is None:
             return None
         waited = time.monotonic() - started
-        self.waited_s += waited
+        self.shared.add(WAITED_S, waited)
         if waited > 1.0:
             self._report(index, waited)
         return info
 
-    def _tell(self, want: list[int]) -> None:
-        assert self.streams is not None
-        self.streams.want(
-            self.rank,
-            want,
-            epoch=self.epoch,
-            trained_tokens=self.trained_tokens,
-            train_s=round(self.train_s, 1),
-            waited_s=round(self.waited_s, 1),
-        )
+    def _tell(self, also: int | None = None, drop: int | None = None) -> None:
+        """Write what this rank wants next: its shards not yet done by every worker (then
+        ``also``, when not among them), up to the window, without ``drop``. Under the lock,
+        so a list computed before a shard was finished is never written after it."""
+        assert self.streams is not None and self.shared is not None
+        s = self.shared
+        with s.lock:
+            rest = self._unread()
+            if also is not None and also not in rest:
+                rest.append(also)
+            workers = s.workers
+            self.streams.want(
+                self.rank,
+                [k for k in self._next(rest) if k != drop],
+                epoch=self.epoch,
+                trained_tokens=int(s.stats[TOKENS]),
+                train_s=round(s.stats[TRAIN_S] / workers, 1),  # per worker
+                waited_s=round(s.stats[WAITED_S] / workers, 1),
+            )
         self._beat = time.monotonic()
 
-    def _heartbeat(self, want: list[int] | None = None) -> None:
+    def _heartbeat(self, also: int | None = None) -> None:
         """Every few seconds, re-say what this rank wants (the producer's sign of life)."""
         if self.streams is None or time.monotonic() - self._beat < 5.0:
             return
-        self._tell(want if want is not None else self._next(self._unread()))
+        self._tell(also=also)
 
-    def _release(self, index: int, info: dict[str, Any]) -> None:
+    def _finish(self, index: int, info: dict[str, Any] | None) -> None:
+        """This reader is done with shard ``index`` for this pass (read its batches, or has
+        none); the last of the workers to say so deletes it unless the policy keeps it or
+        it holds validation samples (``info`` None: the stream holds no such shard)."""
+        s = self.shared
+        assert s is not None
+        with s.lock:
+            s.finished[self._at[index]] += 1
+            if s.finished[self._at[index]] < s.workers or info is None:
+                return
+            s.stats[SHARDS] += 1
         if self.streams is None or self.stream.policy == "keep":
             return
         if self.plan.holds_validation(info):
             return
         # Say first that it is no longer wanted, then delete it: a producer never reads a
         # list that still asks for a shard already gone.
-        self._tell([k for k in self._next(self._unread()) if k != index])
+        self._tell(drop=index)
         self.streams.release(index)
 
     def _unread(self) -> list[int]:
-        return [k for k in self.plan.shards if k not in self.read]
+        """This rank's shards that some worker has still to finish this pass."""
+        s = self.shared
+        assert s is not None
+        return [k for i, k in enumerate(self.plan.shards) if s.finished[i] < s.workers]
 
     def _next(self, rest: list[int]) -> list[int]:
         """What to ask for: the first ``window`` shards of ``rest`` (this epoch's, in
@@ -316,14 +397,14 @@ class ShardBatches(IterableDataset):
         """Which side starves: the trainer's rate, the producers' and the backlog."""
         producers = self.streams.producers() if self.streams else []
         rate = sum(p.get("tok_s", 0.0) for p in producers)
-        mine = self.plan.shards
-        backlog = sum(shard_ready(self.plan.root, k) is not None for k in mine
-                      if k not in {d for d, _ in self.done})  # fmt: skip
-        train_rate = self.trained_tokens / max(self.train_s, 1e-9)
+        backlog = sum(shard_ready(self.plan.root, k) is not None for k in self._unread())
+        s = self.shared
+        assert s is not None
+        train_rate = s.stats[TOKENS] / max(s.stats[TRAIN_S] / s.workers, 1e-9)
         say(
             f"stream: rank {self.rank} waited {waited:.0f} s for shard {index} (epoch "
-            f"{self.epoch}; {self.waited_s:.0f} s in all): producer {rate:,.0f} tok/s, trainer "
-            f"{train_rate:,.0f} tok/s, backlog {backlog} shards"
+            f"{self.epoch}; {s.stats[WAITED_S] / s.workers:.0f} s in all): producer "
+            f"{rate:,.0f} tok/s, trainer {train_rate:,.0f} tok/s, backlog {backlog} shards"
         )
 
     def _epoch_line(self, shards: int) -> None:
@@ -332,20 +413,23 @@ class ShardBatches(IterableDataset):
         made = sum(p.get("tokens", 0) for p in producers)
         busy = max((p.get("busy_s", 0.0) for p in producers), default=0.0)
         idle = max((p.get("waiting_s", 0.0) for p in producers), default=0.0)
+        s = self.shared
+        assert s is not None
         say(
             f"stream: epoch {self.epoch}, rank {self.rank}: {shards} shards, "
-            f"{self.trained_tokens:,} tokens trained in {self.train_s:.0f} s, "
-            f"{self.waited_s:.0f} s waiting for shards; producers: {made:,} tokens written "
-            f"in {busy:.0f} s, {idle:.0f} s waiting for the trainer"
+            f"{int(s.stats[TOKENS]):,} tokens trained in {s.stats[TRAIN_S] / s.workers:.0f} s, "
+            f"{s.stats[WAITED_S] / s.workers:.0f} s waiting for shards; producers: {made:,} "
+            f"tokens written in {busy:.0f} s, {idle:.0f} s waiting for the trainer"
         )
 
 
 class ShardLoader(DataLoader):
     """The DataLoader over ``ShardBatches``; its position goes into checkpoints.
 
-    With ``num_workers`` 1 the batches are read, packed and collated in a worker process
-    while the step before trains (on a GPU, reading in the training process would stall
-    it); more workers would each read every shard, so 1 is the most. ``on_stop`` is called
+    With ``num_workers`` W >= 1 the batches are read, packed and collated in W worker
+    processes while the steps before train (on a GPU, reading in the training process would
+    stall it); worker ``j % W`` reads batch j and the DataLoader takes them in turn, so any
+    W gives the same batches in the same order (module docstring). ``on_stop`` is called
     in the training process after an epoch that the policy ends training with (drop)."""
 
     def __init__(
@@ -362,15 +446,16 @@ class ShardLoader(DataLoader):
         super().__init__(
             batches,
             batch_size=None,
-            num_workers=min(num_workers, 1),
+            num_workers=num_workers,
             pin_memory=pin_memory,
             worker_init_fn=worker_init_fn if num_workers else None,
         )
         self.batches_done, self.on_stop = batches_done, on_stop
 
     def __iter__(self) -> Iterator[Any]:
-        yield from super().__iter__()
         b: ShardBatches = self.dataset  # type: ignore[assignment]
+        b.prepare(max(self.num_workers, 1))  # here, before the workers fork
+        yield from super().__iter__()
         if b.stream is not None and b.stream.policy == "drop" and self.on_stop is not None:
             self.on_stop()
 
