@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -116,3 +118,22 @@ class SigtermAtStep(Callback):
     def on_validation_batch_end(self, trainer, *args) -> None:
         if self.in_validation and not trainer.sanity_checking:
             self._send(trainer)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Train with one compute thread: heads equal to the last bit whatever the machine's load
+    (``avoid_busy_cores`` would otherwise pick the thread count by the cores free, and Adam
+    turns a reduction-order difference into one of ~lr on near-zero gradients)."""
+    import torch
+
+    from draftsmith.train import main as train_stage
+
+    threads, busy = torch.get_num_threads(), train_stage.avoid_busy_cores
+    torch.set_num_threads(1)
+    train_stage.avoid_busy_cores = lambda: None
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        train_stage.avoid_busy_cores = busy

@@ -4,7 +4,6 @@ and either way resuming trains the head an uninterrupted run trains, tensor for 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import one_thread
 
 from draftsmith.core import files
 from draftsmith.core.signals import EXIT_SIGTERM
@@ -33,23 +33,6 @@ def fit_args(data: Path, out: Path, *extra: str) -> list[str]:
         *COMMON,
         *extra,
     ]
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Train with one compute thread: results equal to the last bit whatever the machine's
-    load (``avoid_busy_cores`` would otherwise pick the thread count by the cores free, and
-    Adam turns a reduction-order difference into one of ~lr on near-zero gradients)."""
-    from draftsmith.train import main as train_stage
-
-    threads, busy = torch.get_num_threads(), train_stage.avoid_busy_cores
-    torch.set_num_threads(1)
-    train_stage.avoid_busy_cores = lambda: None
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        train_stage.avoid_busy_cores = busy
 
 
 def fit(*args: str) -> int:

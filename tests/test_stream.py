@@ -7,7 +7,6 @@ for, file first and sidecar last. The real producer (vLLM) is in test_pipeline.p
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import one_thread
 
 from draftsmith.core.files import write_json_atomic
 from draftsmith.dataset.stream import StreamDir, shard_file, sidecar_file
@@ -404,22 +404,6 @@ def test_streamed_batches_are_the_same_with_any_number_of_workers(source, tmp_pa
         assert_same_batches(got, reference)
         assert producer.written == list(range(6)) and producer.high_water <= 2, workers
         assert not any(dest.glob("shard-*.safetensors"))
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Train with one compute thread, so that heads compare to the bit whatever the load
-    (the train stage would pick its thread count from the cores free: test_preemption.py)."""
-    from draftsmith.train import main as train_stage
-
-    threads, busy = torch.get_num_threads(), train_stage.avoid_busy_cores
-    torch.set_num_threads(1)
-    train_stage.avoid_busy_cores = lambda: None
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        train_stage.avoid_busy_cores = busy
 
 
 @pytest.fixture(scope="module")
