@@ -35,7 +35,8 @@ from draftsmith.train.packing import (
     teacher_layer_id,
     worker_init,
 )
-from draftsmith.train.shard_order import ShardBatches, ShardLoader, ShardPlan
+from draftsmith.train.shard_order import ShardBatches, ShardLoader
+from draftsmith.train.shard_plan import ShardPlan
 from draftsmith.train.shard_window import open_window
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

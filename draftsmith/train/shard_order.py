@@ -33,12 +33,9 @@ captures those again while the epoch ends rather than after it.
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,85 +43,15 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from draftsmith.core.console import say
-from draftsmith.dataset import DatasetError, HiddenStatesDataset
+from draftsmith.dataset import DatasetError
 from draftsmith.dataset.stream import (
     StreamDir,
     StreamOptions,
     shard_ready,
     sidecar,
 )
-from draftsmith.train.packing import PackedDataset, collate, pack
-
-SEED_STRIDE = 1_000_003  # keeps (seed, shard) seeds apart
-TOKENS, TRAIN_S, WAITED_S, SHARDS, ENDED = range(5)  # ``Pass.stats`` slots
-
-
-class Pass:
-    """What the loader workers of one rank share during one pass over its shards (made in
-    the training process before the workers fork; fresh every epoch)."""
-
-    def __init__(self, shards: int, workers: int) -> None:
-        self.workers = workers
-        self.lock = multiprocessing.Lock()
-        self.finished = multiprocessing.Array("i", shards, lock=False)
-        """Per planned shard of the rank (by position): workers done with it this pass."""
-        self.stats = multiprocessing.Array("d", 5, lock=False)
-        """Tokens read, seconds reading (summed over workers), seconds waiting for shards
-        (summed), shards done, workers ended."""
-
-    def add(self, slot: int, value: float) -> float:
-        with self.lock:
-            self.stats[slot] += value
-            return self.stats[slot]
-
-
-def shard_seed(seed: int, shard: int, epoch: int = 0) -> int:
-    return (seed * SEED_STRIDE + shard) * 1009 + epoch
-
-
-@dataclass
-class ShardPlan:
-    """Which shards a rank trains and how its rows fall into batches."""
-
-    root: Path
-    shards: list[int]
-    """Planned shard indices this rank trains, in order."""
-    all_shards: list[int]
-    """Every planned shard (all ranks)."""
-    row_tokens: int
-    batch_size: int
-    seed: int
-    val_ids: set[str] = field(default_factory=set)
-    """Validation samples: never trained (their shards are never deleted)."""
-    listed: dict[int, dict[str, Any]] | None = None
-    """Offline: each shard's manifest entry (a dataset may have no sidecars); None when
-    streaming (the sidecars, written as shards arrive)."""
-
-    def info(self, index: int) -> dict[str, Any] | None:
-        """What is recorded about shard ``index`` (None: not written yet)."""
-        if self.listed is not None:
-            return self.listed.get(index)
-        return sidecar(self.root, index)
-
-    def train_lengths(self, index: int, info: dict[str, Any]) -> list[int]:
-        """Token counts of shard ``index``'s training samples, from its sidecar (no states
-        read; a deleted shard's sidecar still has them)."""
-        lengths = info.get("sample_tokens")
-        if lengths is None:  # written before sidecars recorded lengths: read the header
-            lengths = one_shard(self.root, info).lengths
-        return [n for n, sid in zip(lengths, info["sample_ids"], strict=True)
-                if sid not in self.val_ids]  # fmt: skip
-
-    def rows(self, index: int, info: dict[str, Any]) -> list[list[int]]:
-        """Shard ``index``'s packed rows (training-sample positions among its training
-        samples), in packing order."""
-        return pack(self.train_lengths(index, info), self.row_tokens, shard_seed(self.seed, index))
-
-    def batches(self, index: int, info: dict[str, Any]) -> int:
-        return math.ceil(len(self.rows(index, info)) / self.batch_size)
-
-    def holds_validation(self, info: dict[str, Any]) -> bool:
-        return any(sid in self.val_ids for sid in info["sample_ids"])
+from draftsmith.train.packing import PackedDataset, collate
+from draftsmith.train.shard_plan import Pass, ShardPlan, one_shard, shard_seed
 
 
 class ShardBatches(IterableDataset):
@@ -234,8 +161,8 @@ class ShardBatches(IterableDataset):
             if j % workers == w:
                 yield self._empty()
             j += 1
-        if shared.add(ENDED, 1) == workers and self.streams is not None:
-            self._epoch_line(int(shared.stats[SHARDS]))
+        if shared.add(Pass.ENDED, 1) == workers and self.streams is not None:
+            self._epoch_line(int(shared.stats[Pass.SHARDS]))
 
     def _shard(
         self, index: int, info: dict[str, Any], own: list[int], check: bool
@@ -256,12 +183,12 @@ class ShardBatches(IterableDataset):
             items = [packed[r] for r in range(b * bs, min((b + 1) * bs, len(rows)))]
             batch = collate(items)
             tokens = int(batch["loss_mask"].numel() - (batch["doc_ids"] < 0).sum())
-            self.shared.add(TOKENS, tokens)
+            self.shared.add(Pass.TOKENS, tokens)
             if b == own[-1]:  # read in full: its file can go before the last step trains
                 self._finish(index, info)
             yield batch
             self._heartbeat()
-        self.shared.add(TRAIN_S, time.monotonic() - started)
+        self.shared.add(Pass.TRAIN_S, time.monotonic() - started)
 
     def _empty(self) -> dict[str, Tensor]:
         """A batch of padding only: no loss, no gradient; keeps ranks in step."""
@@ -316,7 +243,7 @@ class ShardBatches(IterableDataset):
         if info is None:
             return None
         waited = time.monotonic() - started
-        self.shared.add(WAITED_S, waited)
+        self.shared.add(Pass.WAITED_S, waited)
         if waited > 1.0:
             self._report(index, waited)
         return info
@@ -336,9 +263,9 @@ class ShardBatches(IterableDataset):
                 self.rank,
                 [k for k in self._next(rest) if k != drop],
                 epoch=self.epoch,
-                trained_tokens=int(s.stats[TOKENS]),
-                train_s=round(s.stats[TRAIN_S] / workers, 1),  # per worker
-                waited_s=round(s.stats[WAITED_S] / workers, 1),
+                trained_tokens=int(s.stats[Pass.TOKENS]),
+                train_s=round(s.stats[Pass.TRAIN_S] / workers, 1),  # per worker
+                waited_s=round(s.stats[Pass.WAITED_S] / workers, 1),
             )
         self._beat = time.monotonic()
 
@@ -358,7 +285,7 @@ class ShardBatches(IterableDataset):
             s.finished[self._at[index]] += 1
             if s.finished[self._at[index]] < s.workers or info is None:
                 return
-            s.stats[SHARDS] += 1
+            s.stats[Pass.SHARDS] += 1
         if self.streams is None or self.stream.policy == "keep":
             return
         if self.plan.holds_validation(info):
@@ -400,10 +327,10 @@ class ShardBatches(IterableDataset):
         backlog = sum(shard_ready(self.plan.root, k) is not None for k in self._unread())
         s = self.shared
         assert s is not None
-        train_rate = s.stats[TOKENS] / max(s.stats[TRAIN_S] / s.workers, 1e-9)
+        train_rate = s.stats[Pass.TOKENS] / max(s.stats[Pass.TRAIN_S] / s.workers, 1e-9)
         say(
             f"stream: rank {self.rank} waited {waited:.0f} s for shard {index} (epoch "
-            f"{self.epoch}; {s.stats[WAITED_S] / s.workers:.0f} s in all): producer "
+            f"{self.epoch}; {s.stats[Pass.WAITED_S] / s.workers:.0f} s in all): producer "
             f"{rate:,.0f} tok/s, trainer {train_rate:,.0f} tok/s, backlog {backlog} shards"
         )
 
@@ -415,10 +342,11 @@ class ShardBatches(IterableDataset):
         idle = max((p.get("waiting_s", 0.0) for p in producers), default=0.0)
         s = self.shared
         assert s is not None
+        train_s = s.stats[Pass.TRAIN_S] / s.workers
         say(
             f"stream: epoch {self.epoch}, rank {self.rank}: {shards} shards, "
-            f"{int(s.stats[TOKENS]):,} tokens trained in {s.stats[TRAIN_S] / s.workers:.0f} s, "
-            f"{s.stats[WAITED_S] / s.workers:.0f} s waiting for shards; producers: {made:,} "
+            f"{int(s.stats[Pass.TOKENS]):,} tokens trained in {train_s:.0f} s, "
+            f"{s.stats[Pass.WAITED_S] / s.workers:.0f} s waiting for shards; producers: {made:,} "
             f"tokens written in {busy:.0f} s, {idle:.0f} s waiting for the trainer"
         )
 
@@ -467,9 +395,3 @@ class ShardLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         b: ShardBatches = self.dataset  # type: ignore[assignment]
         b.skip = state["batches_done"]  # the epoch comes back with Lightning's own loop
-
-
-def one_shard(
-    root: Path, info: dict[str, Any], dtype: torch.dtype = torch.float32, check: bool = False
-) -> HiddenStatesDataset:
-    return HiddenStatesDataset(root, dtype, check_shards=check, shard_infos=[info])
