@@ -70,6 +70,9 @@ def open_window(
         window = [k for k in window  # a shard the stream was closed without drops out
                   if streams.wait_for(k, stream.producer_timeout,
                                       stop=lambda: streams.want(0, window))]  # fmt: skip
+        # The producer writes a shard, its sidecar, then the manifest: wait for the last.
+        streams.wait_until(lambda: (root / "manifest.json").is_file() or None,
+                           "the producer's manifest.json", stream.producer_timeout)  # fmt: skip
     infos = [listed[k] if listed is not None else sidecar(root, k) for k in window]
     ds = HiddenStatesDataset(root, dtype, check_shards=check_shards, shard_infos=infos)
     return ds, all_shards, listed
