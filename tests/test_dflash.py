@@ -28,6 +28,7 @@ from draftsmith.drafters.dflash.export import (
     write_mask_embedding,
 )
 from draftsmith.drafters.dflash.model import DFlashDrafter
+from draftsmith.drafters.dflash.objective import sampled_walk
 from draftsmith.drafters.walk import accepted_lengths, sample_anchors, served_walk
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +126,15 @@ def test_slot_weights_and_loss_by_hand():
     out, correct = block_loss(right, lm_head, teacher_states, valid, target, gamma)
     assert accepted_lengths(correct).tolist() == [[1, 1]]
     assert out.chain_hit.tolist() == [2, 0] and out.acceptance_length.item() == pytest.approx(2.0)
+    # Temperature 1: drafts that ARE the teacher's states are always accepted (p == q), up to
+    # the valid prefix; a draft whose distribution puts almost no mass where the teacher's
+    # does is rejected, and so is every slot after it in its block.
+    g = torch.Generator().manual_seed(0)
+    right[0, 2] = -right[0, 2]
+    assert sampled_walk(right, lm_head, teacher_states, valid, target, g).tolist() == [[2, 1]]
+    far = right.clone()
+    far[0, 1] = -50 * teacher_states[0, 1]  # slot 1 of block 0 (target position 2)
+    assert sampled_walk(far, lm_head, teacher_states, valid, target, g).tolist() == [[0, 1]]
 
 
 def test_served_walk_by_hand():
@@ -291,6 +301,8 @@ def test_loss_vocab_restricts_training_not_validation(tiny_dataset):
     counts = token_counts(dm.dataset, target.vocab_size, dm.train_indices)  # read afresh
     kept = draft_vocab(counts, 64, eos_ids(target.config))
     torch.testing.assert_close(model.loss_lm_head, model.target_lm_head[kept])
-    assert model.trainer.callback_metrics["val/acceptance_length"] >= 1.0
+    metrics = model.trainer.callback_metrics
+    assert 1.0 <= metrics["val/acceptance_length"] <= 4.0  # block 4: at most 3 drafts
+    assert 1.0 <= metrics["val/acceptance_length_t1"] <= 4.0  # the sampled walk, logged too
     with pytest.raises(ConfigError, match="model.loss_vocab_size"):
         fit(10**9)

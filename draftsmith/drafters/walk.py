@@ -6,14 +6,20 @@ matches), then ``served_walk`` follows one response the way vLLM does: a chain o
 the next chain after the accepted ones and the target's own token. Its counts give the
 acceptance length vLLM reports (``acceptance.acceptance_from_counts``).
 
-Kinds that draft a block per anchor (DFlash, P-EAGLE) train on random anchors per row
-(``sample_anchors``) and validate with a block at every position.
+Kinds that draft a block per anchor (DFlash, DSpark, P-EAGLE) train on random anchors per
+row (``sample_anchors``) and validate with a block at every position. DFlash and DSpark also
+walk at temperature 1 (``rejection_step``, logged by ``log_sampled``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torchmetrics import Metric
+
+from draftsmith.drafters.acceptance import acceptance_from_counts
 
 
 def sample_anchors(
@@ -72,3 +78,59 @@ def served_walk(
     hits = torch.tensor(hit, dtype=torch.long)
     seen = torch.cat([torch.tensor([drafts]), hits[:-1]])
     return seen, hits
+
+
+def rejection_step(
+    logits: Tensor, t_logits: Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor]:
+    """One draft position as vLLM verifies it: (draft [...] long, accepted [...] bool).
+
+    logits, t_logits [..., V] (the drafter's and the target's). Temperature 0: the draft is
+    the argmax, accepted when it is the target's argmax. Otherwise the draft is sampled from
+    q = softmax(logits / T) and accepted with probability ``min(1, p / q)`` (rejection
+    sampling, one draw of ``generator`` each).
+    """
+    if temperature == 0:
+        draft = logits.argmax(-1)
+        return draft, draft == t_logits.argmax(-1)
+    q = (logits.float() / temperature).softmax(-1)
+    p = (t_logits.float() / temperature).softmax(-1)
+    flat = q.reshape(-1, q.shape[-1])
+    draft = torch.multinomial(flat, 1, generator=generator).view(q.shape[:-1])
+    ratio = (p.gather(-1, draft[..., None]) / q.gather(-1, draft[..., None])).squeeze(-1)
+    device = generator.device if generator is not None else q.device
+    u = torch.rand(ratio.shape, generator=generator, device=device).to(ratio.device)
+    return draft, u < ratio.clamp(max=1.0)
+
+
+SAMPLED_METRIC = "val/acceptance_length_t1"
+
+
+class WalkAcceptance(Metric):
+    """Served-walk counts summed over an epoch (and ranks) -> vLLM's acceptance length."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.add_state("seen", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("hit", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, seen: Tensor, hit: Tensor) -> None:
+        self.seen += seen.to(self.seen.device)
+        self.hit += hit.to(self.hit.device)
+
+    def compute(self) -> Tensor:
+        return acceptance_from_counts(self.seen, self.hit)
+
+
+def log_sampled(trainee: Any, seen: Tensor, hit: Tensor) -> None:
+    """Log the temperature-1 walk's acceptance length as ``SAMPLED_METRIC`` (summed counts
+    over the epoch, like the loop's greedy ``val/acceptance_length``); a trainee that cannot
+    log (a bare test object) is skipped. The metric module is added on first use, so a kind
+    without a sampled walk logs nothing."""
+    if not hasattr(trainee, "log"):
+        return
+    if not hasattr(trainee, "walk_t1"):
+        trainee.add_module("walk_t1", WalkAcceptance(len(seen)).to(trainee.device))
+    trainee.walk_t1.update(seen, hit)
+    trainee.log(SAMPLED_METRIC, trainee.walk_t1, on_step=False, on_epoch=True,
+                metric_attribute="walk_t1")  # fmt: skip

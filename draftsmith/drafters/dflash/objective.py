@@ -1,5 +1,6 @@
 """DFlash's objective: blocks at random anchors in training, a block at every position in
-validation, walked as vLLM drafts (``walk.served_walk``).
+validation, walked as vLLM drafts (``walk.served_walk``) at temperature 0 (the loop's
+``val/acceptance_length``) and 1 (``val/acceptance_length_t1``, ``sampled_walk``).
 
 Context layers: the data module's ``aux_layers`` (default: every tapped layer but the last).
 Draftsmith's layer id ``k`` is the residual stream after ``k`` decoder layers; vLLM's
@@ -23,7 +24,13 @@ from draftsmith.drafters.dflash.blocks import (
 from draftsmith.drafters.dflash.options import DFlashOptions
 from draftsmith.drafters.loss import TTTLoss, merge_records
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.walk import accepted_lengths, sample_anchors, served_walk
+from draftsmith.drafters.walk import (
+    accepted_lengths,
+    log_sampled,
+    rejection_step,
+    sample_anchors,
+    served_walk,
+)
 
 
 def target_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:
@@ -44,9 +51,11 @@ def run_blocks(
     teacher: Tensor,
     anchors: Tensor,
     keep: Tensor,
-) -> tuple[TTTLoss, Tensor]:
+    generator: torch.Generator | None = None,
+) -> tuple[TTTLoss, Tensor, Tensor | None]:
     """Blocks at ``anchors`` [B, A] (``keep``), one drafter pass, the weighted loss;
-    returns ``blocks.block_loss``'s (TTTLoss, correct [B, A, bs - 1])."""
+    returns ``blocks.block_loss``'s (TTTLoss, correct [B, A, bs - 1]) and, given a
+    ``generator``, the drafts accepted per block at temperature 1 ([B, A], ``sampled_walk``)."""
     head = trainee.head
     bs = opt.block_size
     ids, positions = block_inputs(
@@ -59,7 +68,36 @@ def run_blocks(
     lm_head = trainee.target_lm_head  # validation judges drafts over every id, as vLLM does
     if trainee.training and getattr(trainee, "loss_lm_head", None) is not None:
         lm_head = trainee.loss_lm_head  # draft and teacher restricted to the loss vocabulary
-    return block_loss(drafts, lm_head, teacher, valid, target, gamma, opt.loss_chunk_size)
+    out, correct = block_loss(drafts, lm_head, teacher, valid, target, gamma, opt.loss_chunk_size)
+    sampled = None
+    if generator is not None:
+        sampled = sampled_walk(drafts, lm_head, teacher, valid, target, generator)
+    return out, correct, sampled
+
+
+def sampled_walk(drafts: Tensor, lm_head: Tensor, teacher: Tensor, valid: Tensor,
+                 target: Tensor, generator: torch.Generator) -> Tensor:  # fmt: skip
+    """Drafts accepted per block at temperature 1, as vLLM verifies them: [B, A] long.
+
+    drafts [B, A * bs, H] (the parallel pass), teacher [B, T, H], valid / target from
+    ``blocks.slot_validity``. Slot i's draft is sampled from its own distribution (a DFlash
+    slot does not see the slot before it) and accepted with probability ``min(1, p / q)``
+    against the target's distribution from row ``target - 1`` (the reply's own context, as
+    in DSpark's walk); a block stops at its first rejection."""
+    b, a, bs = valid.shape
+    t = teacher.shape[1]
+    states = drafts.view(b, a, bs, -1)
+    rows = torch.arange(b, device=valid.device)[:, None, None] * t + target - 1  # [B, A, bs]
+    alive = torch.ones_like(valid[:, :, 0])
+    accepted = torch.zeros(b, a, dtype=torch.long, device=valid.device)
+    with torch.no_grad():
+        for i in range(1, bs):
+            logits = states[:, :, i] @ lm_head.T  # [B, A, V]
+            t_logits = teacher.reshape(b * t, -1)[rows[:, :, i].clamp(min=0)] @ lm_head.T
+            _, ok = rejection_step(logits, t_logits, 1.0, generator)
+            alive = alive & valid[:, :, i] & ok
+            accepted += alive.long()
+    return accepted
 
 
 def dflash_loss(trainee: Trainee, opt: DFlashOptions, batch: Batch) -> tuple[Tensor, TTTLoss]:
@@ -71,16 +109,21 @@ def dflash_loss(trainee: Trainee, opt: DFlashOptions, batch: Batch) -> tuple[Ten
     teacher = trainee.teacher(batch)
     cand = anchor_candidates(batch["loss_mask"], batch["doc_ids"], batch["position_ids"])
     if trainee.training:
-        out, _ = run_blocks(trainee, opt, batch, teacher, *sample_anchors(cand, opt.num_anchors))
+        anchors, keep = sample_anchors(cand, opt.num_anchors)
+        out, *_ = run_blocks(trainee, opt, batch, teacher, anchors, keep)
         return out.loss, out
     anchors, keep = sample_anchors(cand, cand.shape[1])  # every candidate, ascending
-    accepted = torch.zeros_like(batch["input_ids"])  # [B, T]
+    accepted = [torch.zeros_like(batch["input_ids"]) for _ in range(2)]  # [B, T]: T = 0, T = 1
+    generator = torch.Generator(device=batch["input_ids"].device).manual_seed(0)
     parts = []
     for start in range(0, anchors.shape[1], opt.num_anchors):
         chunk = slice(start, start + opt.num_anchors)
-        out, correct = run_blocks(trainee, opt, batch, teacher, anchors[:, chunk], keep[:, chunk])
-        lengths = accepted_lengths(correct) * keep[:, chunk]  # [B, A]
-        accepted.scatter_add_(1, anchors[:, chunk], lengths)  # unused slots add 0
+        out, correct, sampled = run_blocks(trainee, opt, batch, teacher, anchors[:, chunk],
+                                           keep[:, chunk], generator)  # fmt: skip
+        for acc, lengths in zip(accepted, (accepted_lengths(correct), sampled), strict=True):
+            acc.scatter_add_(1, anchors[:, chunk], lengths * keep[:, chunk])  # unused add 0
         parts.append(out)
-    seen, hit = served_walk(accepted, batch["loss_mask"], batch["doc_ids"], opt.block_size - 1)
-    return merge_records(parts, seen, hit)
+    walks = [served_walk(acc, batch["loss_mask"], batch["doc_ids"], opt.block_size - 1)
+             for acc in accepted]  # fmt: skip
+    log_sampled(trainee, *walks[1])
+    return merge_records(parts, *walks[0])

@@ -18,8 +18,8 @@ the previous DRAFTED token (slot 0: the anchor). At temperature 0 a draft is the
 accepted while it equals the target's argmax; at temperature 1 it is sampled and accepted with
 probability ``min(1, p / q)`` (rejection sampling, one seeded draw). ``walk.served_walk``
 turns the accepted lengths into vLLM's acceptance length: T = 0 is the loop's
-``val/acceptance_length``, T = 1 is logged as ``val/acceptance_length_t1`` (summed counts over
-the epoch, like the loop's own).
+``val/acceptance_length``, T = 1 is logged as ``val/acceptance_length_t1`` by
+``walk.log_sampled`` (summed counts over the epoch, like the loop's own).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
-from torchmetrics import Metric
 
-from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts
+from draftsmith.drafters.acceptance import chain_counts
 from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.block_layout import anchor_candidates, block_inputs, block_mask
 from draftsmith.drafters.dspark.blocks import (
@@ -41,9 +40,7 @@ from draftsmith.drafters.dspark.model import DSparkDrafter
 from draftsmith.drafters.dspark.options import DSparkOptions
 from draftsmith.drafters.loss import TTTLoss, loss_record, merge_records
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.walk import sample_anchors, served_walk
-
-T1_METRIC = "val/acceptance_length_t1"
+from draftsmith.drafters.walk import log_sampled, rejection_step, sample_anchors, served_walk
 
 
 def _chunk_terms(head: DSparkDrafter, lm_head: Tensor, h: Tensor, prev: Tensor, true: Tensor,
@@ -126,47 +123,11 @@ def walk_blocks(head: DSparkDrafter, lm_head: Tensor, states: Tensor, teacher: T
         for i in range(bs):
             logits = head.logits(states[:, :, i], prev, lm_head).float()  # [B, A, V]
             t_logits = (teacher.reshape(b * t, -1)[rows + prev_row[:, :, i]] @ lm_head.T).float()
-            if temperature == 0:
-                draft = logits.argmax(-1)
-                ok = draft == t_logits.argmax(-1)
-            else:
-                q = (logits / temperature).softmax(-1)
-                p = (t_logits / temperature).softmax(-1)
-                draft = torch.multinomial(q.view(b * a, -1), 1, generator=generator).view(b, a)
-                ratio = p.gather(-1, draft[..., None]) / q.gather(-1, draft[..., None])
-                u = torch.rand(b, a, generator=generator, device=generator.device)
-                ok = u.to(ratio.device) < ratio.squeeze(-1).clamp(max=1.0)
+            draft, ok = rejection_step(logits, t_logits, temperature, generator)
             alive = alive & valid[:, :, i] & ok
             accepted += alive.long()
             prev = draft
     return accepted
-
-
-class WalkAcceptance(Metric):
-    """Served-walk counts summed over an epoch (and ranks) -> vLLM's acceptance length."""
-
-    def __init__(self, k: int) -> None:
-        super().__init__()
-        self.add_state("seen", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
-        self.add_state("hit", torch.zeros(k, dtype=torch.long), dist_reduce_fx="sum")
-
-    def update(self, seen: Tensor, hit: Tensor) -> None:
-        self.seen += seen.to(self.seen.device)
-        self.hit += hit.to(self.hit.device)
-
-    def compute(self) -> Tensor:
-        return acceptance_from_counts(self.seen, self.hit)
-
-
-def log_t1(trainee: Trainee, seen: Tensor, hit: Tensor) -> None:
-    """Log the T = 1 walk's acceptance length (a trainee that cannot log is skipped)."""
-    if not hasattr(trainee, "log"):
-        return
-    if not hasattr(trainee, "dspark_walk_t1"):
-        trainee.add_module("dspark_walk_t1", WalkAcceptance(len(seen)).to(trainee.device))
-    metric = trainee.dspark_walk_t1
-    metric.update(seen, hit)
-    trainee.log(T1_METRIC, metric, on_step=False, on_epoch=True, metric_attribute="dspark_walk_t1")
 
 
 def run_blocks(trainee: Trainee, opt: DSparkOptions, batch: Batch, teacher: Tensor,
@@ -214,5 +175,5 @@ def dspark_loss(trainee: Trainee, opt: DSparkOptions, batch: Batch) -> tuple[Ten
         parts.append(out)
     walks = [served_walk(acc, batch["loss_mask"], batch["doc_ids"], opt.block_size)
              for acc in accepted]  # fmt: skip
-    log_t1(trainee, *walks[1])
+    log_sampled(trainee, *walks[1])
     return merge_records(parts, *walks[0])
