@@ -155,7 +155,8 @@ def test_a_given_dataset_is_addressed_by_its_shards_not_its_manifest_bytes(tmp_p
 
 
 def test_time_budget_cuts_prompts_never_replies_when_the_hour_is_slow(tmp_path):
-    three = {"k": [1, 2, 3], "baselines": ["none", "ngram", "suffix"], "max_tokens": 256}
+    three = {"k": [1, 2, 3], "baselines": ["none", "ngram", "suffix"], "max_tokens": 256,
+             "temperatures": [0.0]}  # fmt: skip
     cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:20:00", eval=three)
     section = EvalConfig(**three, head="head")
     assert eval_engines(section) == (4, 1)  # none, head, ngram, suffix (k=3, the rest derived)
@@ -174,6 +175,11 @@ def test_time_budget_cuts_prompts_never_replies_when_the_hour_is_slow(tmp_path):
     limit, _ = eval_prompts(cfg, section, 1.0, left_s=300.0, prompts_per_set=[20, 20],
                             extract_tokens=128)  # fmt: skip
     assert limit == 17
+    # Two temperatures: every engine decodes each prompt twice (the demo once overran here).
+    two = EvalConfig(**{**three, "temperatures": [0.0, 1.0]}, head="head")
+    limit, info = eval_prompts(cfg, two, 2.0, left_s=500.0, prompts_per_set=[20, 20],
+                               extract_tokens=256)  # fmt: skip
+    assert info["eval_predicted_s"] == 4 * (30 + 2 * 2 * 40) and limit == 17  # 3 x 166 s
     limit, _ = eval_prompts(cfg, section, 20.0, left_s=100.0, prompts_per_set=[20, 20])
     assert limit == EVAL_MIN_PROMPTS  # never fewer prompts than the floor
     assert eval_prompts(cfg, section, 0.0, left_s=100.0, prompts_per_set=[20]) == (None, {})

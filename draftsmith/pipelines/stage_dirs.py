@@ -256,7 +256,8 @@ def eval_prompts(
     as long as users get. Each engine is predicted to take ``cfg.eval_engine_start_s`` plus
     ``cfg.eval_engine_cost`` x ``per_sample_s`` per prompt, ``per_sample_s`` being this
     run's extraction seconds per sample (:func:`shard_seconds_per_sample`, scaled by
-    ``eval.max_tokens / extract_tokens``). When every engine fits ``left_s``, nothing
+    ``eval.max_tokens / extract_tokens``), once per temperature of ``eval.temperatures``.
+    When every engine fits ``left_s``, nothing
     changes. Otherwise each set is cut to the prompts with which the engines a time limit
     cannot skip fit (suffix then runs only if time is left), never below
     EVAL_MIN_PROMPTS. None: keep every prompt."""
@@ -265,7 +266,8 @@ def eval_prompts(
     if extract_tokens:
         per_sample_s *= section.max_tokens / extract_tokens
     engines, optional = eval_engines(section)
-    per_prompt = cfg.eval_engine_cost * per_sample_s
+    # Each engine decodes every prompt once per temperature.
+    per_prompt = cfg.eval_engine_cost * per_sample_s * len(section.temperatures)
     asked = max(prompts_per_set)
     predicted = engines * (cfg.eval_engine_start_s + per_prompt * sum(prompts_per_set))
     required = engines - optional
