@@ -23,6 +23,9 @@ Memory: logits are only ever built for ``chunk_size`` tokens at a time. The auto
 computes the loss and its gradients chunk by chunk during the forward, and keeps only gradient
 buffers the size of its inputs ([N, H] and [draft_vocab, H]). Peak extra memory is
 O(chunk_size * draft_vocab), independent of the number of tokens.
+
+On CUDA the same loss runs fused (``fused_loss.py``, ``model.fused_loss``; ``draft_loss``
+picks the path): bf16 logits, online softmax in Triton, no fp32 [tokens, vocab] tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts, step_validity
+from draftsmith.drafters.fused_loss import (
+    FusedDraftLoss,
+    FusedMode,
+    LogitTeacher,
+    compute_dtype,
+    fused_enabled,
+)
 
 LossKind = Literal["kl", "tv", "kl_tv"]
 
@@ -173,6 +183,32 @@ class ChunkedDraftLoss(torch.autograd.Function):
         return *grads, *([None] * 7)
 
 
+def draft_loss(
+    fused: FusedMode,
+    draft_states: Tensor,
+    teacher_states: Tensor,
+    teacher_weight: Tensor,
+    rows: Tensor,
+    chunk_size: int = 1024,
+    cache_elements: int = 2**28,
+) -> tuple[Teacher | LogitTeacher, type[torch.autograd.Function]]:
+    """(teacher, loss function) of the path ``fused`` (``model.fused_loss``) picks for
+    ``draft_states``: ``Teacher`` and ``ChunkedDraftLoss`` (torch; CPU), or ``LogitTeacher``
+    and ``FusedDraftLoss`` (Triton; CUDA). Both functions take the same arguments.
+
+    teacher_states [M, Ht], teacher_weight [draft_vocab, Ht], rows [R] the teacher rows the
+    batch reads (``Teacher``).
+    """
+    if not fused_enabled(fused, draft_states.device):
+        teacher = Teacher(teacher_states, teacher_weight, rows, chunk_size, cache_elements)
+        return teacher, ChunkedDraftLoss
+    dtype = compute_dtype(draft_states)
+    logit_teacher = LogitTeacher(
+        teacher_states, teacher_weight, rows, dtype, chunk_size, cache_elements
+    )
+    return logit_teacher, FusedDraftLoss
+
+
 def teacher_argmax(
     teacher_states: Tensor,
     target_lm_head: Tensor,
@@ -221,6 +257,7 @@ def ttt_loss(
     teacher_cache: int = 2**28,
     loss: LossKind = "kl",
     tv_weight: float = 0.5,
+    fused: FusedMode = "auto",
 ) -> TTTLoss:
     """Loss, accuracy and simulated acceptance of a TTT unroll (alignment as in ``ttt.py``).
 
@@ -239,6 +276,8 @@ def ttt_loss(
             memory stays O(chunk_size x draft_vocab).
         loss, tv_weight: the per-token objective (module docstring): ``kl``, ``tv`` or
             ``kl_tv`` = ``(1 - tv_weight) * kl + tv_weight * tv``.
+        fused: ``model.fused_loss`` (``draft_loss``): ``auto`` is the fused Triton path for
+            CUDA states, this module's torch path otherwise.
     """
     objective = objective_weights(loss, tv_weight)
     b, t, _ = step_states[0].shape
@@ -251,9 +290,10 @@ def ttt_loss(
     # Every step's teacher rows lie among those of step 0 shifted by one ... K: the rows p
     # whose next token x_{p+1} carries loss in p's document.
     rows = ar[step_validity(loss_mask, doc_ids, -1)]
-    teacher = Teacher(
-        teacher_states.reshape(b * t, -1), teacher_weight, rows, chunk_size, teacher_cache
-    )
+    teacher, loss_fn = draft_loss(
+        fused, step_states[0], teacher_states.reshape(b * t, -1), teacher_weight, rows,
+        chunk_size, teacher_cache,
+    )  # fmt: skip
     losses, accs, counts, corrects, valids = [], [], [], [], []
     total = teacher_states.new_zeros((), dtype=torch.float32)
     for k, states in enumerate(step_states):
@@ -262,7 +302,7 @@ def ttt_loss(
         teacher_index = draft_index + k + 1  # same row, position t + k + 1
         count = max(draft_index.numel(), 1)
         w = torch.full((draft_index.numel(),), 1.0 / count, device=states.device)
-        loss_k, draft_top1, teacher_top1_k = ChunkedDraftLoss.apply(
+        loss_k, draft_top1, teacher_top1_k = loss_fn.apply(
             states.reshape(b * t, -1), logits_weight, teacher,
             draft_index, teacher_index, w, chunk_size, need_grad, objective,
         )  # fmt: skip

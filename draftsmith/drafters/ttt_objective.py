@@ -51,7 +51,7 @@ def unrolled_loss(
     out = ttt_loss(
         steps, head.logits_weight, teacher, teacher_weight, batch["loss_mask"],
         batch["doc_ids"], top1, opt.loss_decay, opt.loss_chunk_size,
-        loss=opt.loss, tv_weight=opt.tv_weight,
+        loss=opt.loss, tv_weight=opt.tv_weight, fused=opt.fused_loss,
     )  # fmt: skip
     if not trainee.training:  # the acceptance vLLM serves: chains where the last one ended
         accepted = torch.zeros_like(batch["input_ids"])

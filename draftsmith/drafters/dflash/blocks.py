@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from draftsmith.drafters.acceptance import chain_counts
-from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, TTTLoss, loss_record
+from draftsmith.drafters.fused_loss import FusedMode
+from draftsmith.drafters.loss import TTTLoss, draft_loss, loss_record
 
 
 def default_gamma(block_size: int) -> float:
@@ -73,6 +74,7 @@ def block_loss(
     gamma: float,
     chunk_size: int = 1024,
     teacher_cache: int = 2**28,
+    fused: FusedMode = "auto",
 ) -> tuple[TTTLoss, Tensor]:
     """Weighted soft cross-entropy, per-slot metrics and simulated acceptance of the blocks.
 
@@ -82,6 +84,7 @@ def block_loss(
         teacher_states: [B, T, H] final-normed target states; row p predicts x_{p+1}.
         valid, target: from ``slot_validity`` ([B, A, bs]).
         gamma: the decay of ``slot_weights``.
+        fused: ``model.fused_loss`` (``loss.draft_loss``).
     Returns: (a ``TTTLoss`` whose "steps" are the slots 1..bs-1, ``correct`` [B, A, bs - 1]
     bool: slot i + 1's draft is valid and equals the teacher's argmax).
     """
@@ -90,9 +93,10 @@ def block_loss(
     rows = torch.arange(b, device=valid.device)[:, None, None] * t + target - 1  # teacher row
     slots = torch.arange(b * a * bs, device=valid.device).view(b, a, bs)
     flat_states = drafts.reshape(b * a * bs, -1)
-    teacher = Teacher(
-        teacher_states.reshape(b * t, -1), lm_head, rows[valid].unique(), chunk_size, teacher_cache
-    )
+    teacher, loss_fn = draft_loss(
+        fused, drafts, teacher_states.reshape(b * t, -1), lm_head, rows[valid].unique(),
+        chunk_size, teacher_cache,
+    )  # fmt: skip
     weights = slot_weights(bs, gamma).to(drafts.device)
     counts = valid.sum((0, 1))  # [bs]
     norm = max(float((counts * weights).sum()), 1e-12)
@@ -103,7 +107,7 @@ def block_loss(
         v = valid[:, :, i]
         n = max(int(counts[i]), 1)
         w = torch.full((int(counts[i]),), 1.0 / n, device=drafts.device)
-        loss_i, draft_top1, teacher_top1 = ChunkedDraftLoss.apply(
+        loss_i, draft_top1, teacher_top1 = loss_fn.apply(
             flat_states, lm_head, teacher, slots[:, :, i][v], rows[:, :, i][v], w,
             chunk_size, need_grad,
         )  # fmt: skip

@@ -68,7 +68,9 @@ def run_blocks(
     lm_head = trainee.target_lm_head  # validation judges drafts over every id, as vLLM does
     if trainee.training and getattr(trainee, "loss_lm_head", None) is not None:
         lm_head = trainee.loss_lm_head  # draft and teacher restricted to the loss vocabulary
-    out, correct = block_loss(drafts, lm_head, teacher, valid, target, gamma, opt.loss_chunk_size)
+    out, correct = block_loss(
+        drafts, lm_head, teacher, valid, target, gamma, opt.loss_chunk_size, fused=opt.fused_loss
+    )
     sampled = None
     if generator is not None:
         sampled = sampled_walk(drafts, lm_head, teacher, valid, target, generator)

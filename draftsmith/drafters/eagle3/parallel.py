@@ -34,9 +34,8 @@ from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.eagle3.options import Eagle3Options
 from draftsmith.drafters.layers import sdpa_attend
 from draftsmith.drafters.loss import (
-    ChunkedDraftLoss,
-    Teacher,
     TTTLoss,
+    draft_loss,
     loss_record,
     merge_records,
     teacher_argmax,
@@ -184,7 +183,9 @@ def parallel_loss(
         v = valid[:, :, i]
         draft_rows = (row * width + mask_slot[:, :, i - 1])[v]
         scored.append((draft_rows, (row * t + pos[:, :, i] - 1)[v]))
-    teacher = Teacher(
+    teacher, loss_fn = draft_loss(
+        opt.fused_loss,
+        states,
         teacher_states.reshape(b * t, -1),
         teacher_weight,
         torch.cat([rows for _, rows in scored]).unique(),
@@ -198,7 +199,7 @@ def parallel_loss(
     for i, (d_idx, t_idx) in enumerate(scored):
         n = max(d_idx.numel(), 1)
         w = torch.full((d_idx.numel(),), 1.0 / n, device=dev)
-        loss_i, draft_top1, teacher_top1 = ChunkedDraftLoss.apply(
+        loss_i, draft_top1, teacher_top1 = loss_fn.apply(
             flat, head.logits_weight, teacher, d_idx, t_idx, w, opt.loss_chunk_size, grad
         )
         if top1 is not None:

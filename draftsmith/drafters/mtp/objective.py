@@ -69,7 +69,7 @@ def mtp_loss(trainee: Trainee, opt: MTPOptions, batch: Batch) -> tuple[Tensor, T
     decay = 1.0 if opt.mtp_step_decay is None else opt.mtp_step_decay
     lm_head = trainee.target_lm_head
     out = ttt_loss(steps, lm_head, teacher, lm_head, batch["loss_mask"], batch["doc_ids"], top1,
-                   decay, opt.loss_chunk_size)  # fmt: skip
+                   decay, opt.loss_chunk_size, fused=opt.fused_loss)  # fmt: skip
     out = dataclasses.replace(out, loss=out.loss / sum(decay**k for k in range(opt.mtp_steps)))
     if not trainee.training:
         accepted = torch.zeros_like(batch["input_ids"])
