@@ -65,6 +65,10 @@ COMMANDS = {
     "bench-loader": Command(
         "draftsmith.train.bench_loader", "time the training data path alone (tokens/s)"
     ),
+    "bench-gpu": Command(
+        "draftsmith.train.bench_gpu",
+        "the device benchmark: bench-train rows, profiles, speculators, the loader",
+    ),
 }
 
 PIPELINE = ("extract", "train", "export", "eval")

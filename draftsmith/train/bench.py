@@ -24,7 +24,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +40,7 @@ from draftsmith.drafters import from_target_config
 from draftsmith.drafters.loss import ttt_loss
 from draftsmith.drafters.target_weights import load_target_weights
 from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll
-
-GPU_BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense, no sparsity
+from draftsmith.train.flops import peak_tflops
 
 
 @dataclass
@@ -85,33 +84,48 @@ class BenchTrainConfig:
     """Replace `output` even if bench-train did not write it."""
 
 
-def run(cfg: BenchTrainConfig) -> dict:
+@dataclass
+class Prepared:
+    """A head and its training step, built by :func:`prepare` and ready to be timed."""
+
+    step: Callable[[], None]
+    """One optimizer step on the next batch (TTT unroll, loss, backward, AdamW)."""
+    head: torch.nn.Module
+    device: str
+    hidden_size: int
+    """The target's hidden size H (the lm_head is [draft_vocab, H])."""
+    real_tokens: torch.Tensor
+    """Non-padding tokens of the batches stepped since the last reset (on ``device``)."""
+
+
+def prepare(cfg: BenchTrainConfig) -> Prepared:
+    """Build the head ``draftsmith train`` builds for ``cfg.model``, its optimizer and rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = read_target(cfg.model)
     head = from_target_config(target.config, "eagle3", draft_vocab_size=cfg.draft_vocab_size)
-    if cfg.random_weights:
-        embed = torch.randn(target.vocab_size, target.hidden_size) * 0.02
-        lm_head = torch.randn(target.vocab_size, target.hidden_size) * 0.02
+    if cfg.random_weights:  # made on the device: an 8B target's [128k, 4096] pair is slow on CPU
+        shape = (target.vocab_size, target.hidden_size)
+        embed = torch.randn(shape, device=device) * 0.02
+        lm_head = torch.randn(shape, device=device) * 0.02
     else:
         weights = load_target_weights(target)
         embed, lm_head = weights.embed, weights.lm_head
+    head.to(device)
     head.set_embeddings(embed)
     head.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
-    teacher_w = lm_head[: cfg.draft_vocab_size]
+    teacher_w = lm_head[: cfg.draft_vocab_size].to(device)
+    del embed, lm_head
     with torch.no_grad():
         head.lm_head.weight.copy_(teacher_w)
     head.lm_head.weight.requires_grad_(cfg.train_lm_head)
-    head.to(device)
-    teacher_w = teacher_w.to(device)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     rows = loader_rows(cfg, device) if cfg.data else random_rows(cfg, target.hidden_size, device)
     real_tokens = torch.zeros((), dtype=torch.long, device=device)  # summed there: no sync
     autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
 
     def step() -> None:
-        nonlocal real_tokens
         batch = next(rows)
-        real_tokens += (batch["doc_ids"] >= 0).sum()
+        real_tokens.add_((batch["doc_ids"] >= 0).sum())
         with autocast:
             states = ttt_unroll(
                 head, batch["input_ids"], batch["aux"], batch["positions"], batch["doc_ids"],
@@ -125,17 +139,30 @@ def run(cfg: BenchTrainConfig) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # warm-up
-    if device == "cuda":
+    return Prepared(step, head, device, target.hidden_size, real_tokens)
+
+
+def time_steps(bench: Prepared, steps: int) -> float:
+    """Seconds for ``steps`` steps after one warm-up step. The real-token count starts from
+    zero after the warm-up, and on CUDA so does the allocator's peak (weights and optimizer
+    state, still allocated, stay counted in it)."""
+    bench.step()
+    if bench.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    real_tokens.zero_()
+    bench.real_tokens.zero_()
     start = time.perf_counter()
-    for _ in range(cfg.steps):
-        step()
-    if device == "cuda":
+    for _ in range(steps):
+        bench.step()
+    if bench.device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def run(cfg: BenchTrainConfig) -> dict:
+    bench = prepare(cfg)
+    device, head, real_tokens = bench.device, bench.head, bench.real_tokens
+    seconds = time_steps(bench, cfg.steps)
     tokens = cfg.batch_size * cfg.row_tokens * cfg.steps
     result = {
         "config": to_dict(cfg),
@@ -190,8 +217,7 @@ def loader_rows(cfg: BenchTrainConfig, device: str) -> Iterator[dict[str, torch.
 
 def mfu(head: torch.nn.Module, cfg: BenchTrainConfig, tokens_per_s: float) -> float | None:
     """Model FLOPs utilisation: 6 * params * tokens per TTT step (+ attention ignored)."""
-    name = torch.cuda.get_device_name()
-    peak = next((v for k, v in GPU_BF16_PEAK_TFLOPS.items() if k in name), None)
+    peak = peak_tflops(torch.cuda.get_device_name())
     if peak is None:
         return None
     dense = sum(p.numel() for p in head.parameters() if p.requires_grad)

@@ -1,0 +1,131 @@
+"""``bench-gpu``'s figures as a markdown page: training rows, profiles, the loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def num(x: float | None, spec: str = ",.0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def label(row: dict) -> str:
+    return f"{row['trainer']}, {Path(row['target']).name}, TTT {row['ttt']}, {row['lm_head']}"
+
+
+def speedup(row: dict, rows: list[dict]) -> str:
+    """draftsmith's tok/s over speculators' at the same shape and TTT (frozen lm_heads)."""
+    if row["trainer"] != "draftsmith" or row["lm_head"] != "frozen" or row["status"] != "ok":
+        return "-"
+    for other in rows:
+        same = (other["target"], other["ttt"]) == (row["target"], row["ttt"])
+        if other["trainer"] == "speculators" and same and other["status"] == "ok":
+            return f"{row['tokens_per_s'] / other['tokens_per_s']:.2f}x"
+    return "-"
+
+
+def training_table(result: dict) -> list[str]:
+    cuda = result["device"] != "cpu"
+    memory = "peak GiB" if cuda else "peak RSS GiB (process)"
+    lines = [
+        f"| trainer, shape, TTT, lm_head | tok/s | MFU 6NT | MFU hw | {memory} "
+        "| matmul | attention | other | busy | vs speculators |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"| {label(row)} | {row['status']} | | | | | | | | |")
+            continue
+        prof = row.get("profile") or {}
+        gib = row.get("peak_memory_gib", row.get("peak_rss_gib"))
+        lines.append(
+            f"| {label(row)} | {num(row['tokens_per_s'])} | {pct(row['mfu_6nt'])} "
+            f"| {pct(row['mfu_hw'])} | {num(gib, '.1f')} | {pct(prof.get('matmul_share'))} "
+            f"| {pct(prof.get('attention_share'))} | {pct(prof.get('other_share'))} "
+            f"| {pct(prof.get('busy'))} | {speedup(row, result['rows'])} |"
+        )
+    return lines
+
+
+def profile_tables(result: dict) -> list[str]:
+    lines: list[str] = []
+    for row in result["rows"]:
+        prof = row.get("profile")
+        if not prof:
+            continue
+        lines += [
+            "",
+            f"### {label(row)}",
+            "",
+            f"{prof['steps']} steps, {prof['clock']}: busy {num(prof['busy_s'], '.3f')} s of "
+            f"{num(prof['wall_s'], '.3f')} s wall; matmul {pct(prof['matmul_share'])}, "
+            f"attention {pct(prof['attention_share'])}, other {pct(prof['other_share'])}.",
+            "",
+            "| op | share | ms/step |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| `{op['op']}` | {pct(op['share'])} | {num(op['ms_per_step'], ',.2f')} |"
+            for op in prof["top_ops"]
+        ]
+    return lines
+
+
+def loader_table(loader: dict) -> list[str]:
+    if loader.get("status", "ok") != "ok" and "passes" not in loader:
+        return ["", "## Loader", "", f"loader: {loader['status']}"]
+    shape = loader["shape"]
+    gpu = loader.get("gpu_tokens_per_s")
+    lines = [
+        "",
+        "## Loader (shard order, bf16 shards)",
+        "",
+        f"{Path(shape['target']).name}: layers {shape['layer_ids']} x hidden "
+        f"{shape['hidden_size']}, rows of {loader['config']['row_tokens']}; {loader['cpus']} "
+        f"CPUs. The GPU rate to feed (draftsmith, TTT {loader.get('gpu_ttt') or '-'}, frozen "
+        f"lm_head): {num(gpu)} tok/s.",
+        "",
+        "| workers | cache | tokens | tok/s | x GPU rate | disk MB/s | 1st batch s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in loader["passes"]:
+        x = "-" if p.get("x_gpu") is None else f"{p['x_gpu']:.2f}x"
+        lines.append(
+            f"| {p['workers']} | {p['cache']} | {p['tokens']:,} | {num(p['tokens_per_s'])} "
+            f"| {x} | {num(p['disk_mb_per_s'])} | {p['first_batch_s']:.2f} |"
+        )
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """The whole page."""
+    cfg = result["config"]
+    peak = result["peak_tflops"]
+    peak_line = (
+        f"MFU against {peak:g} TFLOP/s bf16 dense ({result['peak_source']})"
+        if peak
+        else "MFU: no peak known for this device (give --peak_tflops)"
+    )
+    lines = [
+        f"# bench-gpu: {result['device']}",
+        "",
+        f"{result['date']}, torch {result['torch']}, commit {result['commit'] or '-'}. Rows of "
+        f"{cfg['row_tokens']} tokens, draft vocabulary {cfg['draft_vocab_size']:,}, random "
+        f"weights, {cfg['steps']} timed steps after a warm-up. {peak_line}; 6NT = 6 x "
+        "trainable params x TTT per token, hw adds the frozen lm_head's forward and input "
+        "gradient and the teacher's logits (draftsmith/train/flops.py).",
+        "",
+        "## Training",
+        "",
+        *training_table(result),
+        "",
+        "## Where the time goes (torch.profiler, top 10 ops by own time)",
+        *profile_tables(result),
+    ]
+    if "loader" in result:
+        lines += loader_table(result["loader"])
+    return "\n".join(lines) + "\n"
