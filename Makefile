@@ -19,7 +19,7 @@ ifdef VERBOSE
 export DRAFTSMITH_VERBOSE := 1
 endif
 
-.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget study-eagle31 study-warmstart bench-extract bench-train bench-loader clean
+.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget study-eagle31 study-warmstart bench-extract bench-train bench-loader bench-gpu device-wheels clean
 
 setup: $(STAMP)
 
@@ -104,6 +104,15 @@ bench-train: setup
 
 bench-loader: setup
 	$(PY) -m draftsmith.cli bench-loader $(if $(CONFIG),--config $(CONFIG))
+
+# The GPU training benchmark in one call (docs/benchmarks.md): `make device-wheels` where pip
+# works, then `bash tools/bench_gpu.sh` on the device machine (no venv there, so no `setup`).
+# ARGS: bench-gpu options, e.g. ARGS="--ttt_steps '[7]' --speculators false".
+bench-gpu:
+	bash tools/bench_gpu.sh $(ARGS)
+
+device-wheels:
+	bash tools/device_wheels.sh
 
 clean:
 	rm -rf outputs

@@ -112,7 +112,7 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
     assert "## Loader (shard order" in page and "| 2 | cold | 200 |" in page
 
 
-def test_a_failing_row_is_recorded_and_the_rest_run(tmp_path, monkeypatch, tiny_model_dir):
+def test_a_failing_row_is_recorded_and_every_row_saved(tmp_path, monkeypatch, tiny_model_dir):
     real = bench_gpu.draftsmith_row
 
     def flaky(cfg, target, ttt, lm_head, peak):
@@ -124,7 +124,9 @@ def test_a_failing_row_is_recorded_and_the_rest_run(tmp_path, monkeypatch, tiny_
     cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], ttt_steps=[1], row_tokens=32,
                                    draft_vocab_size=64, steps=1, profile_steps=0,
                                    speculators=False, loader=False)  # fmt: skip
-    rows = bench_gpu.run(cfg)["rows"]
+    saved: list[int] = []  # rows written out so far, after each row
+    rows = bench_gpu.run(cfg, save=lambda result: saved.append(len(result["rows"])))["rows"]
+    assert saved == [1, 2]
     failed = "failed: RuntimeError: CUDA out of memory (planted)"
     assert [r["status"] for r in rows] == ["ok", failed]
     assert "profile" not in rows[0] and rows[0]["mfu_6nt"] is None  # no peak known on CPU
@@ -158,3 +160,38 @@ def test_a_foreign_output_folder_is_refused(tmp_path, capsys):
     assert bench_gpu.main([f"--output={out}"]) == 2
     assert "output" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["thesis.tex"]
+
+
+def test_profile_summary_of_gpu_kernels_by_name():
+    """The CUDA branch, on recorded events: GEMM kernels are matmul time, flash/flex kernels
+    attention, the rest other; the top ops are the aten ops' own GPU time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from draftsmith.train.bench_profile import summarize
+
+    def kernel(name, us):
+        return SimpleNamespace(key=name, device_type=DeviceType.CUDA, self_device_time_total=us,
+                               self_cpu_time_total=0.0)  # fmt: skip
+
+    def op(name, us):
+        return SimpleNamespace(key=name, device_type=DeviceType.CPU, self_device_time_total=us,
+                               self_cpu_time_total=5.0)  # fmt: skip
+
+    events = [
+        kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", 300.0),
+        kernel("nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNN", 100.0),
+        kernel("triton_tem_fused_flex_attention_0", 200.0),
+        kernel("void at::native::elementwise_kernel<128, 4>", 400.0),
+        op("aten::mm", 400.0),
+        op("aten::copy_", 350.0),
+        op("aten::mul", 50.0),
+    ]
+    s = summarize(events, steps=2, wall_s=0.002, device="cuda")
+    assert s["clock"] == "gpu kernels"
+    assert s["matmul_share"] == pytest.approx(0.4) and s["attention_share"] == pytest.approx(0.2)
+    assert s["other_share"] == pytest.approx(0.4) and s["busy"] == pytest.approx(0.5)
+    top = [(o["op"], o["share"], o["ms_per_step"]) for o in s["top_ops"]]
+    assert top == [("aten::mm", 0.5, 0.2), ("aten::copy_", 0.4375, 0.175),
+                   ("aten::mul", 0.0625, 0.025)]  # fmt: skip

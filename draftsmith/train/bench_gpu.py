@@ -8,7 +8,8 @@ ops). Then speculators' EAGLE-3 model at the same shapes and TTT (``bench_specul
 a row says so when speculators is missing), and the training loader in shard order at the
 first target's shape with each worker count, against the rate of the frozen head at the
 smallest TTT (3: the fastest step, the hardest to feed).
-Writes ``bench-gpu.json`` and ``bench-gpu.md`` to ``output`` ($OUT on the device machine).
+Writes ``bench-gpu.json`` and ``bench-gpu.md`` to ``output`` ($OUT on the device machine),
+again after every row, so a run cut short by its time limit still returns the rows it made.
 
     tools/bench_gpu.sh                         # on the device: carried wheels, then this
     draftsmith bench-gpu --ttt_steps '[7]' --lm_heads '[frozen]' --speculators false
@@ -20,7 +21,6 @@ row that fails (out of memory, say) records its error and the rest still run.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import resource
 import sys
@@ -36,6 +36,7 @@ import torch
 
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.files import write_json_atomic
 from draftsmith.core.outputs import check_output
 from draftsmith.drafters.ttt import AttentionImpl
 from draftsmith.train import bench_speculators
@@ -218,33 +219,16 @@ def loader_rows(cfg: BenchGpuConfig) -> dict:
         storage_dtypes=["bfloat16"], caches=[cfg.loader_cache], workers=cfg.loader_workers,
         order="shards", work_dir=cfg.work_dir, output=None,
     )  # fmt: skip
-    return run_loader(lcfg)
+    return {"status": "ok", **run_loader(lcfg)}
 
 
-def run(cfg: BenchGpuConfig) -> dict:
+def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict:
+    """Every row of ``cfg``; ``save(result)`` after each (a run cut short keeps its rows)."""
     check_config(cfg)
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(device_name, cfg.peak_tflops)
     rows: list[dict] = []
-    for target in cfg.targets:
-        for ttt in cfg.ttt_steps:
-            for lm_head in cfg.lm_heads:
-                key = {"trainer": "draftsmith", "target": target, "ttt": ttt, "lm_head": lm_head}
-                label = f"draftsmith {Path(target).name} TTT {ttt} {lm_head}"
-                run_row = partial(draftsmith_row, cfg, target, ttt, lm_head, peak)
-                rows.append({**key, **guarded(run_row, label)})
-    if cfg.speculators:
-        missing = speculators_missing()
-        for target in cfg.targets:
-            for ttt in cfg.ttt_steps:
-                key = {"trainer": "speculators", "target": target, "ttt": ttt, "lm_head": "frozen"}
-                if missing:
-                    rows.append({**key, "status": f"skipped: {missing}"})
-                    continue
-                label = f"speculators {Path(target).name} TTT {ttt}"
-                run_row = partial(speculators_row, cfg, target, ttt, peak)
-                rows.append({**key, **guarded(run_row, label)})
     result = {
         "command": "bench-gpu",
         "config": to_dict(cfg),
@@ -256,6 +240,26 @@ def run(cfg: BenchGpuConfig) -> dict:
         "peak_source": "--peak_tflops" if cfg.peak_tflops is not None else "flops.py table",
         "rows": rows,
     }
+
+    def add(key: dict, row: dict) -> None:
+        rows.append({**key, **row})
+        if save:
+            save(result)
+
+    for target in cfg.targets:
+        for ttt in cfg.ttt_steps:
+            for lm_head in cfg.lm_heads:
+                key = {"trainer": "draftsmith", "target": target, "ttt": ttt, "lm_head": lm_head}
+                label = f"draftsmith {Path(target).name} TTT {ttt} {lm_head}"
+                add(key, guarded(partial(draftsmith_row, cfg, target, ttt, lm_head, peak), label))
+    if cfg.speculators:
+        missing = speculators_missing()
+        for target in cfg.targets:
+            for ttt in cfg.ttt_steps:
+                key = {"trainer": "speculators", "target": target, "ttt": ttt, "lm_head": "frozen"}
+                label = f"speculators {Path(target).name} TTT {ttt}"
+                run_row = partial(speculators_row, cfg, target, ttt, peak)
+                add(key, {"status": f"skipped: {missing}"} if missing else guarded(run_row, label))
     if cfg.loader:
         loader = guarded(lambda: loader_rows(cfg), "loader, shard order")
         shape = cfg.loader_target or cfg.targets[0]
@@ -267,12 +271,18 @@ def run(cfg: BenchGpuConfig) -> dict:
         for p in loader.get("passes", []):
             p["x_gpu"] = p["tokens_per_s"] / base["tokens_per_s"] if base else None
         result["loader"] = loader
+        if save:
+            save(result)
     return result
 
 
 def commit() -> str | None:
-    """The checked-out commit, where git and the repository are at hand (not on the device)."""
+    """$DRAFTSMITH_COMMIT, else the checked-out commit where git and the repository are at
+    hand (the device machine gets the tree without its history)."""
     import subprocess
+
+    if os.environ.get("DRAFTSMITH_COMMIT"):
+        return os.environ["DRAFTSMITH_COMMIT"]
 
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -288,11 +298,13 @@ def main(args: list[str] | None = None) -> int:
         check_config(cfg)
         out = output_dir(cfg)
         check_output(out, "output", OWN, overwrite=cfg.overwrite)
-        result = run(cfg)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench-gpu.json").write_text(json.dumps(result, indent=2) + "\n")
-        table = markdown(result)
-        (out / "bench-gpu.md").write_text(table)
+
+        def save(result: dict) -> None:
+            write_json_atomic(out / "bench-gpu.json", result)
+            (out / "bench-gpu.md").write_text(markdown(result))
+
+        table = markdown(run(cfg, save))
         print(table, flush=True)
         print(f"figures: {out / 'bench-gpu.json'}, {out / 'bench-gpu.md'}")
         return 0

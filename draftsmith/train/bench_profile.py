@@ -43,11 +43,15 @@ def profile_steps(step: Callable[[], None], steps: int, device: str) -> dict:
 def summarize(events, steps: int, wall_s: float, device: str) -> dict:
     """The summary of ``events`` (``prof.key_averages()``) over ``steps`` steps of ``wall_s``."""
     cuda = device == "cuda"
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     if cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-        own = {e.key: e.self_device_time_total for e in kernels}
-        matmul, attention = MATMUL_KERNEL, ATTENTION_KERNEL
+        if kernels:
+            own = {e.key: e.self_device_time_total for e in kernels}
+            matmul, attention = MATMUL_KERNEL, ATTENTION_KERNEL
+        else:  # no kernel records (CUPTI missing): the ops' own GPU time, by op name
+            own = {e.key: e.self_device_time_total for e in ops}
+            matmul, attention = MATMUL_OP, ATTENTION_OP
     else:
         ops = list(events)
         own = {e.key: e.self_cpu_time_total for e in ops}
@@ -58,8 +62,9 @@ def summarize(events, steps: int, wall_s: float, device: str) -> dict:
     op_time = {e.key: e.self_device_time_total if cuda else e.self_cpu_time_total for e in ops}
     op_total = sum(op_time.values()) or 1e-9
     top = sorted(op_time.items(), key=lambda kv: -kv[1])[:TOP]
+    clock = "gpu kernels" if kernels else "gpu time of ops"
     return {
-        "clock": "gpu kernels" if cuda else "cpu ops (self time)",
+        "clock": clock if cuda else "cpu ops (self time)",
         "steps": steps,
         "wall_s": wall_s,
         "busy_s": total_us / 1e6,

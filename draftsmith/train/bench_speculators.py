@@ -9,14 +9,17 @@ at 1.0, AdamW. Rows are one document of ``row_tokens`` random tokens and states,
 ``bench-train`` uses, in speculators' batch layout ([1, tokens, ...]).
 
 Its ``forward`` is wrapped in ``torch.compile`` whenever CUDA is present; under torch 2.11
-that compile failed on an H100 (../shared/notes/gpu.md), so by default the step runs with
-dynamo disabled (eager), as measured then. On CPU its eager loss (no Triton) and sdpa
-attention (flex has no CPU backward) stand in, so the row can be checked without a GPU.
+that compile failed on an H100 (../shared/notes/gpu.md), so by default the model's forward
+is the unwrapped (eager) function, as measured then. Dynamo itself stays on: eager flex
+attention compiles its own kernel call, and its backward needs that. On CPU its eager loss
+(no Triton) and sdpa attention (flex has no CPU backward) stand in, so the row can be
+checked without a GPU.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import types
 from contextlib import nullcontext
 
 import torch
@@ -78,6 +81,10 @@ def prepare(
                 weight.normal_(0.0, 0.02)
             model.verifier_lm_head.weight.copy_(model.lm_head.weight)
     model.train()
+    if not compile:  # the function torch.compile wrapped (the same one when not wrapped)
+        forward = type(model).forward
+        eager = getattr(forward, "_torchdynamo_orig_callable", forward)
+        model.forward = types.MethodType(eager, model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     loss_config = resolve_loss_config("kl_div", LOSS[device])
     hidden = layer.hidden_size
@@ -93,10 +100,9 @@ def prepare(
     }
     batch = {k: v.to(device) for k, v in batch.items()}
     autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
-    dynamo = nullcontext() if compile else torch._dynamo.config.patch(disable=True)
 
     def step() -> None:
-        with dynamo, autocast:
+        with autocast:
             _, loss, _ = model(
                 **batch, ttt_steps=ttt_steps, ttt_step_loss_decay=1.0, loss_config=loss_config
             )
