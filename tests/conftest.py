@@ -598,10 +598,15 @@ def build_mtp_target(
     if "architectures" in spec:
         config["architectures"] = spec["architectures"]
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(out / "model.safetensors")
+    if family == "qwen3_next":
+        # Gated delta nets at build_tiny_target's std 0.08 make the target chaotic in bfloat16
+        # (greedy argmax agreed with float32 at 77% of positions); at a quarter of it, 97%.
+        tensors = {k: v * 0.25 if "linear_attn" in k and v.dim() >= 2 else v
+                   for k, v in tensors.items()}  # fmt: skip
     if mtp_layers:
-        tensors = load_file(out / "model.safetensors")
         tensors |= mtp_layer_tensors(family, config, seed + 1000)
-        save_file(tensors, out / "model.safetensors", {"format": "pt"})
+    save_file(tensors, out / "model.safetensors", {"format": "pt"})
     return out
 
 
