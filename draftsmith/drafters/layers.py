@@ -213,10 +213,18 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos * self.attention_scale, sin * self.attention_scale
         return cos, sin
 
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [B, T] -> (cos, sin) [B, 1, T, rotary_dim // 2] in ``dtype``: computed in
+        float32, cast once (vLLM casts its cache to the query's dtype), shared by q and k."""
+        cos, sin = self.cos_sin(positions)
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [B, n, T, hd], positions [B, T] -> rotated x [B, n, T, hd]."""
-        cos, sin = self.cos_sin(positions)
-        cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]  # [B, 1, T, rd/2]
+        return self.rotate(x, *self.tables(positions, x.dtype))
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [B, n, T, hd] turned by ``tables`` [B, 1, T, rotary_dim // 2] -> [B, n, T, hd]."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         x1, x2 = rot.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
@@ -252,7 +260,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = attend(self.layer_idx, rope(q, positions), rope(k, positions), v)
+        cos, sin = rope.tables(positions, q.dtype)  # once for q and k: no second cast
+        out = attend(self.layer_idx, rope.rotate(q, cos, sin), rope.rotate(k, cos, sin), v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, n * hd]
 
 
@@ -320,7 +329,10 @@ class DecoderLayer(nn.Module):
                 x = residual = self.hidden_norm(x)
             else:
                 residual, x = x, self.hidden_norm(x)
-            x = torch.cat([self.input_layernorm(embeds), x], dim=-1)  # [B, T, 2H]
+            # The embeddings (float32) are normed in their dtype and cast once to the hidden
+            # state's, the dtype q/k/v read under autocast: the same values as a float32 cat
+            # (which would upcast x here and cast it back in each projection), fewer casts.
+            x = torch.cat([self.input_layernorm(embeds).to(x.dtype), x], dim=-1)  # [B, T, 2H]
         elif residual is None:
             residual = x
             x = x if self.input_layernorm is None else self.input_layernorm(x)

@@ -58,9 +58,15 @@ class TTTOptions(HeadOptions):
     ``fc`` passing the deepest tapped layer through (EAGLE-1: the hidden half) and EAGLE-3's
     final norm as the target's (``target_init.py``). Needs the head's hidden size to equal the
     target's. Default: random init."""
-    attention: Literal["auto", "blockwise", "efficient", "dense"] = "auto"
+    attention: Literal["auto", "blockwise", "efficient", "dense", "flex"] = "auto"
     """TTT attention: ``auto`` (blockwise on CPU, efficient on GPU), ``blockwise``,
-    ``efficient`` (SDPA; O(T) per step) or ``dense`` (reference)."""
+    ``efficient`` (SDPA; O(T) per step), ``dense`` (reference) or ``flex`` (torch's flex
+    attention with a block mask of the packed documents and TTT diagonals, one fused
+    kernel; trains on CUDA only, ``ttt_flex.py``)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """torch.compile of the TTT unroll (``ttt_compile.py``): ``auto`` compiles on CUDA where
+    it was measured faster for the nearest ``ttt_steps`` (2026-11-26, H100: +13% at 7, -38%
+    at 3), never on CPU; ``on`` always; ``off`` never. P-EAGLE's one pass ignores it."""
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1 or not 0 < self.loss_decay <= 1:

@@ -20,12 +20,13 @@ A shifted token that falls outside the row or into another document is replaced 
 ``pad_id``; those stream/step pairs are invalid targets (see ``loss.py``), and no output of a
 document ever depends on another document.
 
-Three attention implementations give the same result: ``dense`` (reference: all steps' keys
+Four attention implementations give the same result: ``dense`` (reference: all steps' keys
 concatenated, [T, (k+1)T] boolean mask), ``efficient`` (SDPA over the step-0 prefix merged
-with k diagonal scores through their log-sum-exp; memory does not grow with k) and
+with k diagonal scores through their log-sum-exp; memory does not grow with k),
 ``blockwise`` (the same merge, with the prefix attention and its log-sum-exp from one
-blockwise pass that skips keys a query block cannot see; ``PrefixAttention``). ``auto`` picks
-blockwise on CPU and efficient on GPU.
+blockwise pass that skips keys a query block cannot see; ``PrefixAttention``) and ``flex``
+(dense's keys and mask as a flex-attention block mask, one fused kernel; ``ttt_flex.py``,
+CUDA for training). ``auto`` picks blockwise on CPU and efficient on GPU.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from draftsmith.drafters.layers import repeat_kv
 from draftsmith.drafters.llama import LlamaDraftHead
+from draftsmith.drafters.ttt_flex import flex_step_attention, ttt_block_mask
 
-AttentionImpl = Literal["auto", "blockwise", "efficient", "dense"]
+AttentionImpl = Literal["auto", "blockwise", "efficient", "dense", "flex"]
 
 
 def document_causal_mask(doc_ids: Tensor) -> Tensor:
@@ -182,10 +185,13 @@ def efficient_step_attention(
     # Query t of step k also sees, from each step j = 1..k, only stream t's own key.
     diag = [(q * repeat_kv(kj, n_rep)).sum(-1).to(wide) * scale for kj in keys[1:]]  # [B, n, T]
     lse = torch.logsumexp(torch.stack([lse0, *diag], dim=-1), dim=-1)  # [B, n, T]
-    out = torch.exp(lse0 - lse)[..., None] * out0.to(wide)
+    # The merge weights [B, n, T, 1] are formed in float32 and cast once; the states
+    # [B, n, T, hd] stay in their dtype (no float32 round trip of out0 and each v_j).
+    dtype = q.dtype
+    out = torch.exp(lse0 - lse).to(dtype)[..., None] * out0
     for dj, vj in zip(diag, values[1:], strict=True):
-        out = out + torch.exp(dj - lse)[..., None] * repeat_kv(vj, n_rep).to(wide)
-    return out.to(q.dtype)
+        out = out + torch.exp(dj - lse).to(dtype)[..., None] * repeat_kv(vj, n_rep)
+    return out
 
 
 def dense_step_attention(
@@ -204,16 +210,24 @@ def dense_step_attention(
 class TTTAttention:
     """An ``AttendFn`` that keeps each layer's KV per draft step (the draft KV cache)."""
 
-    def __init__(self, prefix_mask: Tensor, impl: AttentionImpl = "auto") -> None:
-        if impl not in ("auto", "blockwise", "efficient", "dense"):
+    def __init__(
+        self, prefix_mask: Tensor, impl: AttentionImpl = "auto", doc_ids: Tensor | None = None
+    ) -> None:
+        if impl not in ("auto", "blockwise", "efficient", "dense", "flex"):
             raise ValueError(
-                f"attention must be 'auto', 'blockwise', 'efficient' or 'dense', got {impl!r}"
+                "attention must be 'auto', 'blockwise', 'efficient', 'dense' or 'flex', got "
+                f"{impl!r}"
             )
+        if impl == "flex" and doc_ids is None:
+            raise ValueError("attention 'flex' builds its block mask from doc_ids: give them")
         if impl == "auto":  # measured: blockwise wins on CPU, SDPA kernels on GPU
             impl = "blockwise" if prefix_mask.device.type == "cpu" else "efficient"
         self.prefix_mask = prefix_mask  # [B, 1, T, T]
+        self.doc_ids = doc_ids  # [B, T]
         self.blockwise = impl == "blockwise"
         self.dense = impl == "dense"
+        self.flex = impl == "flex"
+        self.block_masks: dict[int, BlockMask] = {}  # flex: per step, shared by the layers
         self.keys: dict[int, list[Tensor]] = {}
         self.values: dict[int, list[Tensor]] = {}
         self.step = 0
@@ -222,6 +236,8 @@ class TTTAttention:
         """q [B, n, T, hd], k/v [B, n_kv, T, hd] of the current step -> [B, n, T, hd]."""
         if self.step == 0:
             self.keys[layer_idx], self.values[layer_idx] = [k], [v]
+            if self.flex:
+                return flex_step_attention(q, [k], [v], self._block_mask())
             if self.blockwise:
                 return prefix_attention(q, k, v, self.prefix_mask)[0]
             n_rep = q.shape[1] // k.shape[1]
@@ -233,9 +249,18 @@ class TTTAttention:
             raise RuntimeError(f"layer {layer_idx} called twice or skipped at step {self.step}")
         keys.append(k)
         values.append(v)
+        if self.flex:
+            return flex_step_attention(q, keys, values, self._block_mask())
         if self.dense:
             return dense_step_attention(q, keys, values, self.prefix_mask)
         return efficient_step_attention(q, keys, values, self.prefix_mask, self.blockwise)
+
+    def _block_mask(self) -> BlockMask:
+        """flex: this step's block mask (``ttt_flex.ttt_block_mask``), built once per step."""
+        if self.step not in self.block_masks:
+            assert self.doc_ids is not None
+            self.block_masks[self.step] = ttt_block_mask(self.doc_ids, self.step)
+        return self.block_masks[self.step]
 
 
 def ttt_unroll(
@@ -263,7 +288,7 @@ def ttt_unroll(
     """
     if num_steps < 1:
         raise ValueError("num_steps must be >= 1")
-    attend = TTTAttention(document_causal_mask(doc_ids), impl)
+    attend = TTTAttention(document_causal_mask(doc_ids), impl, doc_ids)
     hidden = head.combine_hidden_states(hidden_states)  # [B, T, H]
     states = []
     for k in range(num_steps):

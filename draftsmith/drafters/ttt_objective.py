@@ -19,7 +19,7 @@ from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.loss import TTTLoss, teacher_argmax, ttt_loss
 from draftsmith.drafters.options import TTTOptions
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.ttt import ttt_unroll
+from draftsmith.drafters.ttt_compile import unroll_for
 from draftsmith.drafters.walk import served_walk
 
 
@@ -41,7 +41,8 @@ def unrolled_loss(
         to_draft: [V] the draft id of each target id (-1 outside), None for the full vocab.
     """
     head = trainee.head
-    steps = ttt_unroll(
+    unroll = unroll_for(opt.compile, opt.ttt_steps, states.device)  # ttt_unroll, compiled or not
+    steps = unroll(
         head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
         opt.ttt_steps, opt.attention,
     )  # fmt: skip
