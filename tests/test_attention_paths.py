@@ -230,6 +230,7 @@ def test_compile_choice_per_ttt_setting() -> None:
     assert compile_wins(4, {2: -0.1, 4: 0.2})
     assert use_compile("auto", 7, "cuda") and not use_compile("auto", 3, "cuda")
     assert not use_compile("auto", 7, "cpu")  # CPU: today's eager path
+    assert not use_compile("auto", 7, "cuda", world_size=8)  # several processes: not measured
     assert use_compile("on", 3, "cpu") and not use_compile("off", 7, "cuda")
     with pytest.raises(ValueError, match="compile"):
         use_compile("yes", 7, "cuda")  # type: ignore[arg-type]

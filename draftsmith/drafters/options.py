@@ -64,9 +64,10 @@ class TTTOptions(HeadOptions):
     attention with a block mask of the packed documents and TTT diagonals, one fused
     kernel; trains on CUDA only, ``ttt_flex.py``)."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """torch.compile of the TTT unroll (``ttt_compile.py``): ``auto`` compiles on CUDA where
-    it was measured faster for the nearest ``ttt_steps`` (2026-11-26, H100: +13% at 7, -38%
-    at 3), never on CPU; ``on`` always; ``off`` never. P-EAGLE's one pass ignores it."""
+    """torch.compile of the TTT unroll (``ttt_compile.py``): ``auto`` compiles in a
+    one-process CUDA run where it was measured faster for the nearest ``ttt_steps``
+    (2026-11-26, H100: +13% at 7, -38% at 3), never on CPU or under several processes;
+    ``on`` always; ``off`` never. P-EAGLE's one pass ignores it."""
 
     def __post_init__(self) -> None:
         if self.ttt_steps < 1 or not 0 < self.loss_decay <= 1:

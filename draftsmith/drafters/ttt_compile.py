@@ -1,9 +1,10 @@
 """torch.compile of the TTT unroll (``model.compile``), chosen per TTT setting.
 
 ``on`` compiles ``ttt.ttt_unroll`` (every draft step's forward, and through AOTAutograd its
-backward) wherever the states are; ``off`` runs it eagerly; ``auto`` compiles on CUDA where a
-measurement said compiling wins (``COMPILE_GAIN``, the nearest measured ``ttt_steps``; a tie
-goes to the smaller) and never on CPU, where the eager path is today's and unchanged.
+backward) wherever the states are; ``off`` runs it eagerly; ``auto`` compiles in a
+single-process CUDA run where a measurement said compiling wins (``COMPILE_GAIN``, the nearest
+measured ``ttt_steps``; a tie goes to the smaller), never on CPU (the eager path, unchanged)
+and never under several processes (DDP, FSDP, DeepSpeed: not measured; ``on`` forces it).
 ``python -m draftsmith.train.bench_attention`` re-measures the table on a GPU.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from draftsmith.drafters.ttt import ttt_unroll
 
@@ -32,12 +34,19 @@ def compile_wins(ttt_steps: int, gains: dict[int, float] = COMPILE_GAIN) -> bool
     return gains[nearest] > 0
 
 
-def use_compile(mode: CompileMode, ttt_steps: int, device: torch.device | str) -> bool:
-    """``model.compile`` resolved for a run of ``ttt_steps`` on ``device``."""
+def use_compile(
+    mode: CompileMode, ttt_steps: int, device: torch.device | str, world_size: int | None = None
+) -> bool:
+    """``model.compile`` resolved for a run of ``ttt_steps`` on ``device`` with ``world_size``
+    processes (None: torch.distributed's, 1 when it is not initialised)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"compile must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "auto":
-        return torch.device(device).type == "cuda" and compile_wins(ttt_steps)
+        if world_size is None:
+            world_size = (
+                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            )
+        return torch.device(device).type == "cuda" and world_size == 1 and compile_wins(ttt_steps)
     return mode == "on"
 
 
