@@ -303,3 +303,17 @@ def test_init_from_a_target_says_what_it_is(tiny_dataset, tiny_model_dir, tmp_pa
     err = capsys.readouterr().err
     assert "is a model with 8 decoder layers (LlamaForCausalLM), not a draft head" in err
     assert "fc 2H" not in err
+
+
+def test_a_resume_may_change_how_a_step_is_computed():
+    """The attention path, compile, the fused loss and the loss chunk may differ from the
+    checkpoint's (or be missing from an older one): they change how, not what, is trained."""
+    from draftsmith.core.errors import ConfigError
+    from draftsmith.train.resume import check_resume
+
+    saved = {"kind": "eagle3", "ttt_steps": 3, "loss_chunk_size": 1024}  # older: no new keys
+    ours = {**saved, "loss_chunk_size": 256, "attention": "flex", "compile": "on",
+            "fused_loss": "on"}  # fmt: skip
+    check_resume(saved, ours, {}, {})  # no error
+    with pytest.raises(ConfigError, match="model.ttt_steps=3, this run says 7"):
+        check_resume(saved, {**ours, "ttt_steps": 7}, {}, {})

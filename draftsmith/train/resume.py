@@ -5,7 +5,10 @@ must equal the checkpoint's: a different value is refused in one line naming bot
 of the optimisation that may change mid-run (learning rate, weight decay, the schedule's
 shape) are applied to the restored optimizer and scheduler, and said in one line; without
 this, Lightning restores the checkpoint's learning rate and the new one is silently lost.
-Trainer options (``max_steps``, ``max_time``, logging) are Lightning's and apply as given.
+Options of how a step is computed, not what it computes (``HOW``: the attention path,
+compilation, the fused loss, the loss's chunk size) may change freely: a run moved from a CPU
+to a GPU resumes. Trainer options (``max_steps``, ``max_time``, logging) are Lightning's and
+apply as given.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 from draftsmith.core.errors import ConfigError
 
 MAY_CHANGE = ("lr", "weight_decay", "warmup_steps", "min_lr_ratio", "anneal_to_time_cap")
+HOW = ("attention", "compile", "fused_loss", "loss_chunk_size")
 # What the head's build recorded (``DraftModule.info``) that a resume must agree with.
 BUILT = ("kind", "layer_ids", "aux_layer_ids", "teacher_layer_id", "head_kwargs")
 
@@ -24,7 +28,8 @@ def check_resume(saved: dict[str, Any], ours: dict[str, Any], saved_info: dict, 
 
     ``saved`` / ``ours``: the checkpoint's and this run's ``model`` hyper-parameters;
     ``saved_info`` / ``info``: what each build recorded (kind, tapped layers)."""
-    fixed = sorted(k for k in set(saved) | set(ours) if k not in MAY_CHANGE and k != "target")
+    free = (*MAY_CHANGE, *HOW, "target")
+    fixed = sorted(k for k in set(saved) | set(ours) if k not in free)
     pairs = [(f"model.{k}", saved.get(k), ours.get(k)) for k in fixed]
     pairs += [(k, saved_info.get(k), info.get(k)) for k in BUILT if k in saved_info or k in info]
     for name, then, now in pairs:
