@@ -1,5 +1,7 @@
 """`draftsmith bench-gpu` on CPU at tiny shapes: every row, the MFU arithmetic by hand, the
-profiles, the loader against the GPU rate, and the rows of a missing speculators."""
+profiles, the levers table (on CPU the CUDA levers refuse or skip with their reason), the
+loader against the GPU rate, and the rows of a missing speculators; bench-train passing each
+speed lever through to the step."""
 
 from __future__ import annotations
 
@@ -7,8 +9,12 @@ import json
 
 import pytest
 
-from draftsmith.train import bench_gpu, bench_speculators
+from draftsmith.core.errors import ConfigError
+from draftsmith.drafters.fused_loss import triton_missing
+from draftsmith.train import bench, bench_gpu, bench_speculators
 from draftsmith.train.flops import StepFlops, peak_tflops
+
+CPU_AUTO = {"fused_loss": False, "attention": "blockwise", "compile": False}
 
 TINY_ROW = ["--row_tokens=32", "--draft_vocab_size=64", "--steps=1", "--profile_steps=1"]
 
@@ -62,7 +68,7 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
     args = [f"--targets={json.dumps(targets)}", "--ttt_steps=[1, 2]", *TINY_ROW,
             "--peak_tflops=2.0", "--loader_tokens=200", "--loader_sample_tokens=16",
             "--loader_workers=[0, 2]", f"--work_dir={tmp_path / 'work'}",
-            f"--output={out}"]  # fmt: skip
+            "--levers_ttt_steps=[1, 2]", f"--output={out}"]  # fmt: skip
     assert bench_gpu.main(args) == 0
 
     result = json.loads((out / "bench-gpu.json").read_text())
@@ -90,9 +96,42 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
         assert 1 <= len(prof["top_ops"]) <= 10
         assert "aten::mm" in [op["op"] for op in prof["top_ops"]]
         assert r["peak_rss_gib"] > 0
+        assert r["levers"] == CPU_AUTO  # auto on CPU: the torch loss, blockwise, eager
     for r in rows[8:]:
         assert r["status"].startswith("skipped: speculators is not installed"), r
         assert "tokens_per_s" not in r
+
+    levers = result["levers"]
+    names = ["old", "fused", "flex", "compile", "all", "auto"]
+    assert [(r["config"], r["ttt"]) for r in levers] == [(n, k) for k in (1, 2) for n in names]
+    for r in levers:
+        assert (r["target"], r["lm_head"]) == (targets[0], "frozen")
+        fused, attention, compile_ = bench_gpu.LEVERS[r["config"]]
+        asked = {"fused_loss": fused, "attention": attention, "compile": compile_}
+        assert r["options"] == asked
+        status = r["status"]
+        if r["config"] in ("old", "auto"):
+            assert status == "ok" and r["tokens_per_s"] > 0 and r["profile"]["steps"] == 1
+            assert r["x_old"] == pytest.approx(
+                r["tokens_per_s"] / levers[0 if r["ttt"] == 1 else 6]["tokens_per_s"]
+            )
+        elif r["config"] in ("fused", "all"):  # refused before the head is built
+            assert status.startswith("refused: model.fused_loss: 'on' needs CUDA tensors")
+            assert r["levers"] is None and r["x_old"] is None
+        elif r["config"] == "flex":  # torch has no flex backward on CPU: refused at its step
+            assert status.startswith("refused: model.attention: 'flex' on cpu")
+            assert r["levers"] == {**CPU_AUTO, "attention": "flex"}
+        else:
+            assert status == bench_gpu.COMPILE_ON_CPU
+            assert r["levers"] == {**CPU_AUTO, "attention": "efficient", "compile": True}
+        assert "\n" not in status
+    old = [r for r in levers if r["config"] == "old"]
+    assert all(r["levers"] == {**CPU_AUTO, "attention": "efficient"} for r in old)
+    for r in (r for r in levers if r["config"] == "auto"):  # the main row's run, not another
+        main = next(m for m in rows if (m["target"], m["ttt"], m["lm_head"]) ==
+                    (targets[0], r["ttt"], "frozen"))  # fmt: skip
+        assert r["same_run_as"] == "the main row" and r["levers"] == CPU_AUTO
+        assert r["tokens_per_s"] == main["tokens_per_s"]
 
     loader = result["loader"]
     assert loader["config"]["order"] == "shards"
@@ -110,6 +149,14 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
     assert page.count("skipped: speculators is not installed") == 4
     assert page.count("\n### draftsmith, ") == 8  # one profile per draftsmith row
     assert "## Loader (shard order" in page and "| 2 | cold | 200 |" in page
+    assert all("| torch loss, blockwise, eager |" in line for line in table)
+    lever_lines = page.split("## Speed levers (")[1].split("\n## ")[0].splitlines()
+    lever_lines = [line for line in lever_lines if line.startswith("| ") and "TTT" not in line]
+    assert [line.split(" | ")[0] for line in lever_lines] == [
+        f"| {n}" + (" (main row)" if n == "auto" else "") for k in (1, 2) for n in names
+    ]
+    assert page.count("| refused: model.fused_loss: 'on' needs CUDA") == 4
+    assert page.count("| 1.00x |") == 2  # old against itself
 
 
 def test_a_failing_row_is_recorded_and_every_row_saved(tmp_path, monkeypatch, tiny_model_dir):
@@ -120,16 +167,82 @@ def test_a_failing_row_is_recorded_and_every_row_saved(tmp_path, monkeypatch, ti
             raise RuntimeError("CUDA out of memory (planted)")
         return real(cfg, target, ttt, lm_head, peak)
 
+    real_lever = bench_gpu.lever_row
+
+    def flex_fails(cfg, name, target, ttt, peak):  # as a flex compile error on the device
+        if name == "flex":
+            raise RuntimeError("InductorError: flex backward lowering failed (planted)\nmore")
+        return real_lever(cfg, name, target, ttt, peak)
+
     monkeypatch.setattr(bench_gpu, "draftsmith_row", flaky)
+    monkeypatch.setattr(bench_gpu, "lever_row", flex_fails)
     cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], ttt_steps=[1], row_tokens=32,
                                    draft_vocab_size=64, steps=1, profile_steps=0,
-                                   speculators=False, loader=False)  # fmt: skip
+                                   speculators=False, loader=False, levers=["flex", "old"],
+                                   levers_ttt_steps=[1])  # fmt: skip
     saved: list[int] = []  # rows written out so far, after each row
-    rows = bench_gpu.run(cfg, save=lambda result: saved.append(len(result["rows"])))["rows"]
-    assert saved == [1, 2]
+    result = bench_gpu.run(cfg, save=lambda r: saved.append(len(r["rows"]) + len(r["levers"])))
+    assert saved == [1, 2, 3, 4]
+    rows = result["rows"]
     failed = "failed: RuntimeError: CUDA out of memory (planted)"
     assert [r["status"] for r in rows] == ["ok", failed]
     assert "profile" not in rows[0] and rows[0]["mfu_6nt"] is None  # no peak known on CPU
+    flex, old = result["levers"]
+    assert flex["status"] == "failed: RuntimeError: InductorError: flex backward lowering " \
+        "failed (planted)"  # fmt: skip
+    assert old["status"] == "ok" and old["x_old"] == 1.0 and flex["x_old"] is None
+
+
+def test_auto_that_resolves_as_all_is_not_run_twice(monkeypatch, tiny_model_dir):
+    """On a device where auto picks every lever, its row says so instead of running again."""
+    every = {"fused_loss": True, "attention": "flex", "compile": True}
+    monkeypatch.setattr(bench_gpu, "resolve_levers", lambda bcfg, device: every)
+    cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], attention="efficient")
+    row = bench_gpu.auto_shortcut(cfg, str(tiny_model_dir), 7, rows=[])
+    assert row == {"status": "skipped: auto resolves to the levers of 'all' here"}
+    cfg.levers = ["old", "auto"]  # no 'all' row to stand for it: auto runs
+    assert bench_gpu.auto_shortcut(cfg, str(tiny_model_dir), 7, rows=[]) is None
+
+
+def test_bench_train_passes_every_lever_to_the_step(monkeypatch, tiny_model_dir):
+    """fused_loss reaches ttt_loss, attention the unroll, compile picks the compiled unroll
+    (a stand-in here: compiling on CPU takes minutes), and bench-train reports them."""
+    calls: dict[str, object] = {}
+    real_unroll, real_loss = bench.ttt_unroll, bench.ttt_loss
+
+    def compiled(*args):
+        calls["unroll"] = args[-1]  # the attention path
+        return real_unroll(*args)
+
+    def loss(*args, **kwargs):
+        calls["fused"] = kwargs["fused"]
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "compiled_unroll", lambda: compiled)
+    monkeypatch.setattr(bench, "ttt_loss", loss)
+    tiny = dict(model=str(tiny_model_dir), ttt_steps=2, row_tokens=16, draft_vocab_size=64,
+                random_weights=True)  # fmt: skip
+    cfg = bench.BenchTrainConfig(**tiny, fused_loss="off", attention="efficient", compile="on")
+    prepared = bench.prepare(cfg)
+    prepared.step()
+    assert calls == {"unroll": "efficient", "fused": "off"}
+    assert prepared.levers == {"fused_loss": False, "attention": "efficient", "compile": True}
+
+    calls.clear()
+    auto = bench.prepare(bench.BenchTrainConfig(**tiny))
+    auto.step()  # auto on CPU: the eager unroll, the torch loss, blockwise attention
+    assert calls == {"fused": "off"} and auto.levers == CPU_AUTO
+    with pytest.raises(ConfigError, match="model.fused_loss: 'on' needs CUDA"):
+        bench.prepare(bench.BenchTrainConfig(**tiny, fused_loss="on"))
+
+
+def test_auto_levers_on_a_gpu_by_ttt():
+    """What the main rows' auto resolves to on a one-GPU device (from ttt_compile's table)."""
+    for ttt, compiled in ((3, False), (7, True)):
+        cfg = bench.BenchTrainConfig(ttt_steps=ttt)
+        levers = bench.resolve_levers(cfg, "cuda")
+        fused = triton_missing() is None  # the device image has Triton
+        assert levers == {"fused_loss": fused, "attention": "efficient", "compile": compiled}
 
 
 def test_speculators_that_does_not_import_says_why(monkeypatch):

@@ -4,10 +4,13 @@ Times full optimizer steps (TTT unroll, chunked loss, backward, AdamW) of the he
 ``draftsmith train`` builds for the target, on packed rows of random states with the
 target's shapes, so no dataset is needed. Reports tokens/s, peak memory (CUDA allocator
 peak on GPU, process peak RSS on CPU) and, on GPU, model FLOPs utilisation against bf16 peak.
+The head's speed levers are options as in training (``model.fused_loss``,
+``model.attention``, ``model.compile``), and the figures say what each resolved to here.
 
     draftsmith bench-train --model smollm2-135m --ttt_steps 7 --row_tokens 2048
     draftsmith bench-train --model configs/targets/llama3.1-8b --random_weights true
     draftsmith bench-train ... --data DIR --order shards --num_workers 1   # with the loader
+    draftsmith bench-train ... --fused_loss off --attention efficient --compile off  # old path
 
 ``configs/targets/*`` hold only the config.json of large targets: with ``--random_weights``
 the shared tensors are random with the target's shapes (throughput does not depend on values).
@@ -26,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -37,9 +40,11 @@ from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import check_output, json_from
 from draftsmith.core.targets import read_target
 from draftsmith.drafters import from_target_config
+from draftsmith.drafters.fused_loss import FusedMode, fused_enabled
 from draftsmith.drafters.loss import ttt_loss
 from draftsmith.drafters.target_weights import load_target_weights
 from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll
+from draftsmith.drafters.ttt_compile import CompileMode, compiled_unroll, use_compile
 from draftsmith.train.flops import peak_tflops
 
 
@@ -67,7 +72,14 @@ class BenchTrainConfig:
     loss_chunk_size: int = 1024
     """Tokens per chunk of logits in the loss."""
     attention: AttentionImpl = "auto"
-    """TTT attention (as ``model.attention``): auto, blockwise, efficient or dense."""
+    """TTT attention (as ``model.attention``): auto (blockwise on CPU, efficient on GPU),
+    blockwise, efficient, dense or flex (trains on CUDA only)."""
+    fused_loss: FusedMode = "auto"
+    """The loss's fused Triton path (as ``model.fused_loss``): auto (on CUDA with Triton),
+    on (refused where it cannot run) or off (the torch path)."""
+    compile: CompileMode = "auto"
+    """torch.compile of the TTT unroll (as ``model.compile``): auto (one-process CUDA runs
+    where ``ttt_compile.COMPILE_GAIN`` says it wins at this TTT), on or off."""
     data: str | None = None
     """A dataset directory to take the rows from through the training loader (its states
     must have the target's hidden size); null = random rows made once, no loader."""
@@ -96,11 +108,32 @@ class Prepared:
     """The target's hidden size H (the lm_head is [draft_vocab, H])."""
     real_tokens: torch.Tensor
     """Non-padding tokens of the batches stepped since the last reset (on ``device``)."""
+    levers: dict = field(default_factory=dict)
+    """What the speed levers resolved to (``resolve_levers``; empty for other trainers)."""
+    warmup_s: float = 0.0
+    """Seconds of the warm-up steps of the last ``time_steps`` (compiling happens there)."""
+
+
+def resolve_levers(cfg: BenchTrainConfig, device: str) -> dict:
+    """The speed levers ``cfg`` asks for, as a step on ``device`` runs them: ``fused_loss``
+    and ``compile`` true or false, ``attention`` the path auto picks (as ``ttt.TTTAttention``:
+    blockwise on CPU, efficient on GPU). A fused loss ``on`` where it cannot run is refused
+    here (ConfigError), before the head is built."""
+    dev = torch.device(device)
+    attention = cfg.attention
+    if attention == "auto":
+        attention = "blockwise" if dev.type == "cpu" else "efficient"
+    return {
+        "fused_loss": fused_enabled(cfg.fused_loss, dev),
+        "attention": attention,
+        "compile": use_compile(cfg.compile, cfg.ttt_steps, dev, world_size=1),
+    }
 
 
 def prepare(cfg: BenchTrainConfig) -> Prepared:
     """Build the head ``draftsmith train`` builds for ``cfg.model``, its optimizer and rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    levers = resolve_levers(cfg, device)
     target = read_target(cfg.model)
     head = from_target_config(target.config, "eagle3", draft_vocab_size=cfg.draft_vocab_size)
     if cfg.random_weights:  # made on the device: an 8B target's [128k, 4096] pair is slow on CPU
@@ -122,34 +155,40 @@ def prepare(cfg: BenchTrainConfig) -> Prepared:
     rows = loader_rows(cfg, device) if cfg.data else random_rows(cfg, target.hidden_size, device)
     real_tokens = torch.zeros((), dtype=torch.long, device=device)  # summed there: no sync
     autocast = torch.autocast("cuda", torch.bfloat16) if device == "cuda" else nullcontext()
+    unroll = compiled_unroll() if levers["compile"] else ttt_unroll
+    fused = "on" if levers["fused_loss"] else "off"
 
     def step() -> None:
         batch = next(rows)
         real_tokens.add_((batch["doc_ids"] >= 0).sum())
         with autocast:
-            states = ttt_unroll(
+            states = unroll(
                 head, batch["input_ids"], batch["aux"], batch["positions"], batch["doc_ids"],
-                cfg.ttt_steps, cfg.attention,
+                cfg.ttt_steps, levers["attention"],
             )  # fmt: skip
             out = ttt_loss(
                 states, head.logits_weight, batch["teacher"], teacher_w, batch["loss_mask"],
-                batch["doc_ids"], chunk_size=cfg.loss_chunk_size,
+                batch["doc_ids"], chunk_size=cfg.loss_chunk_size, fused=fused,
             )  # fmt: skip
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Prepared(step, head, device, target.hidden_size, real_tokens)
+    return Prepared(step, head, device, target.hidden_size, real_tokens, levers)
 
 
-def time_steps(bench: Prepared, steps: int) -> float:
-    """Seconds for ``steps`` steps after one warm-up step. The real-token count starts from
+def time_steps(bench: Prepared, steps: int, warmup: int = 1) -> float:
+    """Seconds for ``steps`` steps after ``warmup`` warm-up steps (their seconds go to
+    ``bench.warmup_s``: a compiled unroll is built there). The real-token count starts from
     zero after the warm-up, and on CUDA so does the allocator's peak (weights and optimizer
     state, still allocated, stay counted in it)."""
-    bench.step()
+    start = time.perf_counter()
+    for _ in range(warmup):
+        bench.step()
     if bench.device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    bench.warmup_s = time.perf_counter() - start
     bench.real_tokens.zero_()
     start = time.perf_counter()
     for _ in range(steps):
@@ -168,6 +207,7 @@ def run(cfg: BenchTrainConfig) -> dict:
         "config": to_dict(cfg),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
+        "levers": bench.levers,
         "tokens_per_s": tokens / seconds,
         "seconds_per_step": seconds / cfg.steps,
     }

@@ -4,7 +4,11 @@ For each target shape (random weights from ``configs/targets/*``), TTT setting a
 (frozen, trained), one ``bench-train`` row: tokens/s, MFU two ways (``flops.py``: 6NT, and
 the hardware's FLOPs with the frozen lm_head's forward and input gradient), peak memory and
 a torch.profiler summary (``bench_profile.py``: matmul kernels against the rest, top 10
-ops). Then speculators' EAGLE-3 model at the same shapes and TTT (``bench_speculators.py``;
+ops), under the speed levers' auto settings and the levers they resolved to. Then the levers
+table: at the first target's shape, frozen lm_head, per TTT, the path before the levers
+(``old``: torch loss, efficient attention, eager), each lever alone (``fused``, ``flex``,
+``compile``), all of them, and ``auto`` where it differs, with the speed ratio to ``old``.
+Then speculators' EAGLE-3 model at the same shapes and TTT (``bench_speculators.py``;
 a row says so when speculators is missing), and the training loader in shard order at the
 first target's shape with each worker count, against the rate of the frozen head at the
 smallest TTT (3: the fastest step, the hardest to feed).
@@ -15,7 +19,8 @@ again after every row, so a run cut short by its time limit still returns the ro
     draftsmith bench-gpu --ttt_steps '[7]' --lm_heads '[frozen]' --speculators false
 
 Rows run one after another in this process; each frees its memory before the next, and a
-row that fails (out of memory, say) records its error and the rest still run.
+row that fails (out of memory, a compile error) records its error, one that is refused (a
+lever that cannot run on this device) its one-line reason, and the rest still run.
 """
 
 from __future__ import annotations
@@ -38,14 +43,40 @@ from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.outputs import check_output
+from draftsmith.drafters.fused_loss import FusedMode
 from draftsmith.drafters.ttt import AttentionImpl
+from draftsmith.drafters.ttt_compile import CompileMode
 from draftsmith.train import bench_speculators
-from draftsmith.train.bench import BenchTrainConfig, Prepared, prepare, time_steps
+from draftsmith.train.bench import (
+    BenchTrainConfig,
+    Prepared,
+    prepare,
+    resolve_levers,
+    time_steps,
+)
 from draftsmith.train.bench_gpu_report import markdown
 from draftsmith.train.bench_profile import profile_steps
 from draftsmith.train.flops import StepFlops, peak_tflops
 
 OWN = ("bench-gpu.json", "bench-gpu.md", "bench-gpu.log")
+
+LeverConfig = Literal["old", "fused", "flex", "compile", "all", "auto"]
+Options = tuple[FusedMode, AttentionImpl, CompileMode]
+"""A row's (``fused_loss``, ``attention``, ``compile``), as the head's training options."""
+LEVERS: dict[str, Options] = {
+    "old": ("off", "efficient", "off"),  # the GPU path before the levers (gpu.md, 2026-11-26)
+    "fused": ("on", "efficient", "off"),
+    "flex": ("off", "flex", "off"),
+    "compile": ("off", "efficient", "on"),
+    "all": ("on", "flex", "on"),
+    "auto": ("auto", "auto", "auto"),
+}
+"""The levers table's configurations: (``fused_loss``, ``attention``, ``compile``)."""
+LEVER_OPTIONS = ("fused_loss", "attention", "compile")
+COMPILE_ON_CPU = (
+    "skipped: compile on is timed on CUDA only (on CPU torch.compile builds C++ kernels "
+    "for minutes, and auto never compiles there)"
+)
 
 
 @dataclass
@@ -67,12 +98,26 @@ class BenchGpuConfig:
     """Tokens per packed row (one row per step)."""
     draft_vocab_size: int = 32000
     """Draft vocabulary size (EAGLE-3's usual 32k)."""
-    steps: int = 10
-    """Timed optimizer steps per row, after one warm-up step."""
-    profile_steps: int = 2
+    steps: int = 5
+    """Timed optimizer steps per row, after the warm-up steps."""
+    warmup_steps: int = 2
+    """Untimed steps per row first (a compiled unroll and flex attention are built there)."""
+    profile_steps: int = 1
     """Steps per row run under torch.profiler after the timed ones (0 = no profile)."""
     attention: AttentionImpl = "auto"
-    """draftsmith's TTT attention (as ``model.attention``)."""
+    """The main rows' TTT attention (as ``model.attention``)."""
+    fused_loss: FusedMode = "auto"
+    """The main rows' fused Triton loss (as ``model.fused_loss``)."""
+    compile: CompileMode = "auto"
+    """The main rows' torch.compile of the TTT unroll (as ``model.compile``)."""
+    levers: list[LeverConfig] = field(
+        default_factory=lambda: ["old", "fused", "flex", "compile", "all", "auto"]
+    )
+    """The levers table's configurations (``LEVERS``), frozen lm_head; [] = no table."""
+    levers_ttt_steps: list[int] = field(default_factory=lambda: [3, 7])
+    """TTT settings of the levers table."""
+    levers_target: str | None = None
+    """The levers table's target shape; null = the first of ``targets``."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of logits in draftsmith's loss."""
     speculators: bool = True
@@ -104,10 +149,17 @@ class BenchGpuConfig:
 
 
 def check_config(cfg: BenchGpuConfig) -> None:
-    if cfg.steps < 1 or cfg.row_tokens < 2 or cfg.profile_steps < 0:
+    if cfg.steps < 1 or cfg.row_tokens < 2 or cfg.profile_steps < 0 or cfg.warmup_steps < 1:
         raise ConfigError(
             f"steps={cfg.steps}, row_tokens={cfg.row_tokens}, profile_steps="
-            f"{cfg.profile_steps}: give steps >= 1, row_tokens >= 2, profile_steps >= 0"
+            f"{cfg.profile_steps}, warmup_steps={cfg.warmup_steps}: give steps >= 1, "
+            "row_tokens >= 2, profile_steps >= 0, warmup_steps >= 1"
+        )
+    unknown = [name for name in cfg.levers if name not in LEVERS]
+    if unknown or (cfg.levers and min(cfg.levers_ttt_steps, default=0) < 1):
+        raise ConfigError(
+            f"levers={cfg.levers}, levers_ttt_steps={cfg.levers_ttt_steps}: give levers among "
+            f"{list(LEVERS)} and at least one TTT setting >= 1 (or levers [] for no table)"
         )
     if not cfg.targets or not cfg.ttt_steps or min(cfg.ttt_steps) < 1 or not cfg.lm_heads:
         raise ConfigError(
@@ -128,15 +180,27 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def allow_recompiles(limit: int = 64) -> None:
+    """Rows of other shapes, TTT settings and attention paths recompile the one compiled
+    unroll (and flex attention); past dynamo's limit (8) it runs eagerly without a word, and
+    a compile row would time eager code."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), limit))
+
+
 def measure(bench: Prepared, flops: StepFlops, cfg: BenchGpuConfig, peak: float | None) -> dict:
     """Time, then profile, ``bench``'s step; the figures of one row."""
     start_gib = torch.cuda.memory_allocated() / 2**30 if bench.device == "cuda" else None
-    seconds = time_steps(bench, cfg.steps)
+    seconds = time_steps(bench, cfg.steps, cfg.warmup_steps)
     tokens_per_s = cfg.row_tokens * cfg.steps / seconds
     row = {
         "status": "ok",
+        **({"levers": bench.levers} if bench.levers else {}),
         "tokens_per_s": tokens_per_s,
         "seconds_per_step": seconds / cfg.steps,
+        "warmup_s": bench.warmup_s,
         "trainable_params": flops.trainable_params,
         "flops_per_token_6nt": flops.model,
         "flops_per_token_hw": flops.hardware,
@@ -156,18 +220,89 @@ def trainable(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def draftsmith_row(cfg: BenchGpuConfig, target: str, ttt: int, lm_head: str, peak) -> dict:
-    bcfg = BenchTrainConfig(
+def train_config(
+    cfg: BenchGpuConfig, target: str, ttt: int, lm_head: str, options: Options
+) -> BenchTrainConfig:
+    """The bench-train configuration of a row; ``options``: (fused_loss, attention, compile)."""
+    fused, attention, compile_ = options
+    return BenchTrainConfig(
         model=target, ttt_steps=ttt, row_tokens=cfg.row_tokens,
         draft_vocab_size=cfg.draft_vocab_size, train_lm_head=lm_head == "trained",
         random_weights=True, steps=cfg.steps, loss_chunk_size=cfg.loss_chunk_size,
-        attention=cfg.attention,
+        attention=attention, fused_loss=fused, compile=compile_,
     )  # fmt: skip
+
+
+def train_row(cfg: BenchGpuConfig, bcfg: BenchTrainConfig, peak: float | None) -> dict:
     bench = prepare(bcfg)
     lm = bench.head.logits_weight.numel()
-    frozen = 0 if lm_head == "trained" else lm
-    flops = StepFlops(trainable(bench.head), frozen, cfg.draft_vocab_size * bench.hidden_size, ttt)
+    frozen = 0 if bcfg.train_lm_head else lm
+    teacher = cfg.draft_vocab_size * bench.hidden_size
+    flops = StepFlops(trainable(bench.head), frozen, teacher, bcfg.ttt_steps)
     return measure(bench, flops, cfg, peak)
+
+
+def main_options(cfg: BenchGpuConfig) -> Options:
+    return (cfg.fused_loss, cfg.attention, cfg.compile)
+
+
+def draftsmith_row(cfg: BenchGpuConfig, target: str, ttt: int, lm_head: str, peak) -> dict:
+    """A main row: the levers as ``cfg`` sets them (auto by default)."""
+    return train_row(cfg, train_config(cfg, target, ttt, lm_head, main_options(cfg)), peak)
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def lever_row(cfg: BenchGpuConfig, name: str, target: str, ttt: int, peak) -> dict:
+    """A levers-table row (frozen lm_head). A fused loss ``on`` where it cannot run is
+    refused before the head is built, flex's missing CPU backward at its first step."""
+    bcfg = train_config(cfg, target, ttt, "frozen", LEVERS[name])
+    levers = resolve_levers(bcfg, device())
+    if levers["compile"] and device() == "cpu":
+        return {"status": COMPILE_ON_CPU, "levers": levers}
+    return train_row(cfg, bcfg, peak)
+
+
+def auto_shortcut(cfg: BenchGpuConfig, target: str, ttt: int, rows: list[dict]) -> dict | None:
+    """The ``auto`` lever row without running it where that is known: the main row of the
+    same shape, TTT and frozen lm_head when the main rows run auto, or a skip where auto
+    resolves to the levers of ``all``. None: run it."""
+    if main_options(cfg) == LEVERS["auto"]:
+        for r in rows:
+            same = (r["trainer"], r["target"], r["ttt"], r["lm_head"])
+            if same == ("draftsmith", target, ttt, "frozen") and r["status"] == "ok":
+                figures = {k: v for k, v in r.items() if k not in ("trainer", "target", "ttt")}
+                return {**figures, "same_run_as": "the main row"}
+    if "all" in cfg.levers:
+        try:
+            resolved = [
+                resolve_levers(train_config(cfg, target, ttt, "frozen", LEVERS[n]), device())
+                for n in ("auto", "all")
+            ]
+        except ConfigError:  # 'all' cannot run here: auto differs
+            return None
+        if resolved[0] == resolved[1]:
+            return {"status": "skipped: auto resolves to the levers of 'all' here"}
+    return None
+
+
+def resolved_or_none(cfg: BenchGpuConfig, name: str, target: str, ttt: int) -> dict | None:
+    """What configuration ``name`` resolves to here; None where it is refused outright."""
+    try:
+        return resolve_levers(train_config(cfg, target, ttt, "frozen", LEVERS[name]), device())
+    except ConfigError:
+        return None
+
+
+def lever_ratios(levers: list[dict]) -> None:
+    """Each lever row's ``x_old``: its tok/s over the ``old`` row's at the same TTT."""
+    old = {r["ttt"]: r for r in levers if r["config"] == "old" and r["status"] == "ok"}
+    for r in levers:
+        base = old.get(r["ttt"])
+        ok = base is not None and r["status"] == "ok"
+        r["x_old"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
 
 
 def speculators_row(cfg: BenchGpuConfig, target: str, ttt: int, peak) -> dict:
@@ -189,6 +324,8 @@ def guarded(run: Callable[[], dict], label: str) -> dict:
     print(f"bench-gpu: {label} ...", flush=True)
     try:
         row = run()
+    except ConfigError as error:  # refused on this device: its one line says why
+        row = {"status": f"refused: {str(error).splitlines()[0][:300]}"}
     except Exception as error:  # one row's failure (OOM, compile) must not end the run
         traceback.print_exc()
         row = {"status": f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"}
@@ -228,7 +365,9 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_tflops(device_name, cfg.peak_tflops)
+    allow_recompiles()
     rows: list[dict] = []
+    levers: list[dict] = []
     result = {
         "command": "bench-gpu",
         "config": to_dict(cfg),
@@ -239,6 +378,7 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
         "peak_tflops": peak,
         "peak_source": "--peak_tflops" if cfg.peak_tflops is not None else "flops.py table",
         "rows": rows,
+        "levers": levers,
     }
 
     def add(key: dict, row: dict) -> None:
@@ -252,6 +392,20 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
                 key = {"trainer": "draftsmith", "target": target, "ttt": ttt, "lm_head": lm_head}
                 label = f"draftsmith {Path(target).name} TTT {ttt} {lm_head}"
                 add(key, guarded(partial(draftsmith_row, cfg, target, ttt, lm_head, peak), label))
+    lever_target = cfg.levers_target or cfg.targets[0]
+    for ttt in cfg.levers_ttt_steps if cfg.levers else []:
+        for name in cfg.levers:
+            options = dict(zip(LEVER_OPTIONS, LEVERS[name], strict=True))
+            key = {"config": name, "target": lever_target, "ttt": ttt, "lm_head": "frozen"}
+            row = auto_shortcut(cfg, lever_target, ttt, rows) if name == "auto" else None
+            if row is None:
+                label = f"levers {name} {Path(lever_target).name} TTT {ttt}"
+                row = guarded(partial(lever_row, cfg, name, lever_target, ttt, peak), label)
+                row.setdefault("levers", resolved_or_none(cfg, name, lever_target, ttt))
+            levers.append({**key, "options": options, **row})
+            lever_ratios(levers)
+            if save:
+                save(result)
     if cfg.speculators:
         missing = speculators_missing()
         for target in cfg.targets:

@@ -1,4 +1,5 @@
-"""``bench-gpu``'s figures as a markdown page: training rows, profiles, the loader."""
+"""``bench-gpu``'s figures as a markdown page: training rows, the levers, profiles, the
+loader."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ def label(row: dict) -> str:
     return f"{row['trainer']}, {Path(row['target']).name}, TTT {row['ttt']}, {row['lm_head']}"
 
 
+def levers_text(levers: dict | None) -> str:
+    """What a row's speed levers resolved to, e.g. "fused loss, efficient, compiled"."""
+    if not levers:
+        return "-"
+    loss = "fused loss" if levers["fused_loss"] else "torch loss"
+    return f"{loss}, {levers['attention']}, {'compiled' if levers['compile'] else 'eager'}"
+
+
 def speedup(row: dict, rows: list[dict]) -> str:
     """draftsmith's tok/s over speculators' at the same shape and TTT (frozen lm_heads)."""
     if row["trainer"] != "draftsmith" or row["lm_head"] != "frozen" or row["status"] != "ok":
@@ -32,21 +41,61 @@ def training_table(result: dict) -> list[str]:
     cuda = result["device"] != "cpu"
     memory = "peak GiB" if cuda else "peak RSS GiB (process)"
     lines = [
-        f"| trainer, shape, TTT, lm_head | tok/s | MFU 6NT | MFU hw | {memory} "
+        f"| trainer, shape, TTT, lm_head | levers | tok/s | MFU 6NT | MFU hw | {memory} "
         "| matmul | attention | other | busy | vs speculators |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
+        levers = levers_text(row.get("levers"))
         if row["status"] != "ok":
-            lines.append(f"| {label(row)} | {row['status']} | | | | | | | | |")
+            lines.append(f"| {label(row)} | {levers} | {row['status']} | | | | | | | | |")
             continue
         prof = row.get("profile") or {}
         gib = row.get("peak_memory_gib", row.get("peak_rss_gib"))
         lines.append(
-            f"| {label(row)} | {num(row['tokens_per_s'])} | {pct(row['mfu_6nt'])} "
+            f"| {label(row)} | {levers} | {num(row['tokens_per_s'])} | {pct(row['mfu_6nt'])} "
             f"| {pct(row['mfu_hw'])} | {num(gib, '.1f')} | {pct(prof.get('matmul_share'))} "
             f"| {pct(prof.get('attention_share'))} | {pct(prof.get('other_share'))} "
             f"| {pct(prof.get('busy'))} | {speedup(row, result['rows'])} |"
+        )
+    return lines
+
+
+def levers_table(result: dict) -> list[str]:
+    """One row per lever configuration and TTT; ``x old`` is the speed over ``old``'s."""
+    levers = result.get("levers") or []
+    if not levers:
+        return []
+    memory = "peak GiB" if result["device"] != "cpu" else "peak RSS GiB (process)"
+    first = levers[0]
+    lines = [
+        "",
+        f"## Speed levers ({Path(first['target']).name}, lm_head {first['lm_head']})",
+        "",
+        "Asked: the options given (fused_loss, attention, compile); resolved: what a step "
+        "runs for them here; (main row): the main table's run of the same row. x old: tok/s "
+        "over the old path's at the same TTT. warm-up s: the untimed first steps, compiling "
+        "included.",
+        "",
+        f"| configuration | TTT | asked | resolved | tok/s | MFU 6NT | {memory} | matmul "
+        "| x old | warm-up s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in levers:
+        o = r["options"]
+        asked = f"{o['fused_loss']}, {o['attention']}, {o['compile']}"
+        resolved = levers_text(r.get("levers"))
+        name = r["config"] + (" (main row)" if r.get("same_run_as") else "")
+        head = f"| {name} | {r['ttt']} | {asked} | {resolved}"
+        if r["status"] != "ok":
+            lines.append(f"{head} | {r['status']} | | | | | |")
+            continue
+        gib = r.get("peak_memory_gib", r.get("peak_rss_gib"))
+        share = (r.get("profile") or {}).get("matmul_share")
+        x = "-" if r.get("x_old") is None else f"{r['x_old']:.2f}x"
+        lines.append(
+            f"{head} | {num(r['tokens_per_s'])} | {pct(r['mfu_6nt'])} | {num(gib, '.1f')} "
+            f"| {pct(share)} | {x} | {num(r.get('warmup_s'), '.1f')} |"
         )
     return lines
 
@@ -115,13 +164,17 @@ def markdown(result: dict) -> str:
         "",
         f"{result['date']}, torch {result['torch']}, commit {result['commit'] or '-'}. Rows of "
         f"{cfg['row_tokens']} tokens, draft vocabulary {cfg['draft_vocab_size']:,}, random "
-        f"weights, {cfg['steps']} timed steps after a warm-up. {peak_line}; 6NT = 6 x "
+        f"weights, {cfg['steps']} timed steps after {cfg.get('warmup_steps', 1)} warm-up "
+        f"steps. Main rows: the speed levers as asked (fused_loss {cfg.get('fused_loss', '-')}, "
+        f"attention {cfg['attention']}, compile {cfg.get('compile', '-')}), the levers "
+        f"column says what they resolved to. {peak_line}; 6NT = 6 x "
         "trainable params x TTT per token, hw adds the frozen lm_head's forward and input "
         "gradient and the teacher's logits (draftsmith/train/flops.py).",
         "",
         "## Training",
         "",
         *training_table(result),
+        *levers_table(result),
         "",
         "## Where the time goes (torch.profiler, top 10 ops by own time)",
         *profile_tables(result),
