@@ -127,6 +127,12 @@ def test_heads_that_do_not_fit_are_refused(target) -> None:
     (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match="target's MLPs use 'gelu', the head's use silu"):
         build(gelu)
+    offset = target.parent / "offset-norms"  # Qwen3-Next's (1 + w) norms and gated attention
+    offset.mkdir()
+    (offset / "model.safetensors").symlink_to(target / "model.safetensors")
+    (offset / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_next"}))
+    with pytest.raises(ConfigError, match="qwen3_next layers scale their norms by \\(1 \\+ w\\)"):
+        build(offset)
 
 
 def test_module_options_are_checked_and_wired(target) -> None:

@@ -33,7 +33,7 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.layers import DecoderLayer
 from draftsmith.drafters.llama import LlamaDraftHead
-from draftsmith.drafters.target_weights import load_target_layer
+from draftsmith.drafters.target_weights import OFFSET_NORM_TYPES, load_target_layer
 
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 SOURCE = {"hidden_norm.weight": "input_layernorm.weight"}  # draft key -> target layer key
@@ -85,6 +85,12 @@ def init_from_target(head: LlamaDraftHead, target: TargetInfo, final_norm: Tenso
     """
     layers = head.decoder_layers()
     n = target.num_hidden_layers
+    kind = target.text_config.get("model_type")
+    if kind in OFFSET_NORM_TYPES:
+        raise ConfigError(
+            f"model.init_from_target: {kind} layers scale their norms by (1 + w) and gate their "
+            "attention, which the head's Llama layer does not; set model.init_from_target false"
+        )
     act = target.text_config.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(
