@@ -181,12 +181,13 @@ def test_export_config_and_names():
 
 
 # ----- vLLM's own module, built on CPU --------------------------------------------------
-def vllm_dspark(head_dir: Path, target_dir: Path, k: int):
+def vllm_dspark(head_dir: Path, target_dir: Path, k: int, shipped: frozenset = frozenset()):
     """vLLM's ``Qwen3DSparkForCausalLM`` for ``head_dir``, its weights loaded by its own
     ``load_weights`` and the target's embeddings / lm_head shared as ``load_dspark_model``
-    shares them. VllmConfig refuses ``method: dspark`` on this build (the V1 runner lacks it;
-    the V2 runner needs Triton), so the SpeculativeConfig vLLM built and checked is attached
-    after the VllmConfig; the module itself is vLLM's, unchanged."""
+    shares them (``shipped``: the ones the files hold themselves). VllmConfig refuses
+    ``method: dspark`` on this build (the V1 runner lacks it; the V2 runner needs Triton), so
+    the SpeculativeConfig vLLM built and checked is attached after the VllmConfig; the module
+    itself is vLLM's, unchanged."""
     import tempfile
 
     from safetensors.torch import load_file
@@ -222,7 +223,8 @@ def vllm_dspark(head_dir: Path, target_dir: Path, k: int):
         model.load_weights(load_file(head_dir / "model.safetensors").items())  # refuses extras
         unloaded = {n for n, p in model.named_parameters() if not torch.isfinite(p).all()}
         # Shared from the target at serving time; the mask embedding is an unused placeholder.
-        assert unloaded == {"model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding"}
+        shared = {"model.embed_tokens.weight", "lm_head.weight"} - shipped
+        assert unloaded == shared | {"model.mask_embedding"}
         weights = load_file(target_dir / "model.safetensors")
         embed = weights["model.embed_tokens.weight"]
         with torch.no_grad():
@@ -251,12 +253,14 @@ class CachedContextAttention(torch.nn.Module):
         return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
-def assert_vllm_matches(head: DSparkDrafter, head_dir: Path, target_dir: Path) -> None:
+def assert_vllm_matches(
+    head: DSparkDrafter, head_dir: Path, target_dir: Path, shipped: frozenset = frozenset()
+) -> None:
     """One block at anchor a = T after T context tokens, through vLLM's module and ours."""
     from vllm.config import set_current_vllm_config
 
     bs = head.block_size
-    model, config, embed = vllm_dspark(head_dir, target_dir, bs)
+    model, config, embed = vllm_dspark(head_dir, target_dir, bs, shipped)
     head.set_embeddings(embed)
     g = torch.Generator().manual_seed(0)
     t, n_ctx = 12, len(head.target_layer_ids)
@@ -292,19 +296,129 @@ def qwen3_target(tmp_path_factory, make_tiny_target):
                             norm_scale=8.0)  # fmt: skip
 
 
-@pytest.mark.vllm
-def test_export_loads_into_vllms_dspark_module_with_equal_logits(tmp_path, qwen3_target):
-    pytest.importorskip("vllm")
-    from draftsmith.core.targets import read_target
-
-    target = read_target(str(qwen3_target))
+def random_head(target) -> DSparkDrafter:
     head = DSpark.head_from_target(target.config, target_layer_ids=[1, 3, 4], mask_token_id=5,
                                    block_size=4, markov_rank=16)  # fmt: skip
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, 0.05)
-    head_dir = DSpark.export(head, target, tmp_path / "head")
-    assert_vllm_matches(head, head_dir, qwen3_target)
+    return head
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("to", ["vllm", "speculators"])
+def test_export_loads_into_vllms_dspark_module_with_equal_logits(tmp_path, qwen3_target, to):
+    """Either layout: vLLM reads the speculators one through its own ``update_dspark``."""
+    pytest.importorskip("vllm")
+    from draftsmith.core.targets import read_target
+
+    target = read_target(str(qwen3_target))
+    head = random_head(target)
+    head_dir = DSpark.export(head, target, tmp_path / "head", to=to)
+    shipped = frozenset({"model.embed_tokens.weight", "lm_head.weight"} if to != "vllm" else ())
+    assert_vllm_matches(head, head_dir, qwen3_target, shipped)
+
+
+# ----- the speculators layout --------------------------------------------------------------
+# Field and tensor names read from vllm-project/speculators at commit c05b95b3 (main,
+# 2026-08-20): src/speculators/models/dspark/config.py (DSparkSpeculatorConfig),
+# models/dflash/config.py (the DFlash fields it inherits), models/dspark/core.py and
+# model_definitions.py (markov_head.markov_w{1,2}, confidence_head.proj), models/dflash/core.py
+# (fc, hidden_norm, norm, layers.*; _keys_to_ignore_on_save drops verifier_lm_head and
+# verifier_norm) and model.py (DraftVocabMixin: embed_tokens, lm_head). speculators is not
+# installed here, so its classes cannot load the files.
+SPECULATORS_DSPARK_KEYS = {
+    "architectures", "speculators_model_type", "speculators_config", "transformer_layer_config",
+    "draft_vocab_size", "block_size", "target_hidden_size", "aux_hidden_state_layer_ids",
+    "mask_token_id", "sliding_window_non_causal", "sample_from_anchor", "markov_rank",
+    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "torch_dtype",
+}  # fmt: skip
+SPECULATORS_LAYER_NAMES = [
+    "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+    "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+]  # fmt: skip
+
+
+def test_speculators_export_names_and_round_trip(tmp_path, qwen3_target):
+    from safetensors.torch import load_file
+
+    from draftsmith.core.targets import read_target
+    from draftsmith.drafters.dspark.speculators import read_speculators
+    from draftsmith.drafters.headfiles import HeadError
+
+    target = read_target(str(qwen3_target))
+    head = random_head(target)
+    head_dir = DSpark.export(head, target, tmp_path / "head", to="speculators")
+    config = json.loads((head_dir / "config.json").read_text())
+    assert set(config) == SPECULATORS_DSPARK_KEYS  # no model_type: vLLM reads it as speculators
+    assert config["architectures"] == ["DSparkSpeculator"]
+    assert config["speculators_model_type"] == config["speculators_config"]["algorithm"] == "dspark"
+    assert config["aux_hidden_state_layer_ids"] == [2, 4, 5]  # target_layer_ids + 1
+    assert config["sample_from_anchor"] is True and config["markov_head_type"] == "vanilla"
+    proposal = config["speculators_config"]["proposal_methods"][0]
+    assert proposal == {"proposal_type": "greedy", "speculative_tokens": 4}  # block_size
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(qwen3_target)
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 1
+    tensors = load_file(head_dir / "model.safetensors")
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight", "embed_tokens.weight",
+             "lm_head.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+             "confidence_head.proj.weight", "confidence_head.proj.bias",
+             *(f"layers.0.{n}" for n in SPECULATORS_LAYER_NAMES)}  # fmt: skip
+    assert set(tensors) == names
+    target_weights = load_file(qwen3_target / "model.safetensors")
+    embed = target_weights["model.embed_tokens.weight"]
+    assert torch.equal(tensors["embed_tokens.weight"], embed.float())
+    assert torch.equal(
+        tensors["lm_head.weight"], target_weights.get("lm_head.weight", embed).float()
+    )
+    assert "speculators" in (head_dir / "README.md").read_text()
+    assert DSpark.method_of(config) == "dspark"
+    assert (
+        DSpark.serve_hint(head_dir, config) == f"vllm serve {head_dir}  (GPU only: V2 model runner)"
+    )
+
+    # read back: the same drafter, the same tensors
+    back, shared = read_speculators(head_dir)
+    assert set(shared) == {"embed_tokens.weight", "lm_head.weight"}
+    assert {k: back.init_kwargs[k] for k in ("target_layer_ids", "mask_token_id", "block_size",
+            "markov_rank", "num_layers", "hidden_size")} == {k: head.init_kwargs[k] for k in (
+            "target_layer_ids", "mask_token_id", "block_size", "markov_rank", "num_layers",
+            "hidden_size")}  # fmt: skip
+    ours, theirs = head.state_dict(), back.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+    config["markov_head_type"] = "gated"  # speculators' other heads are not built here
+    (head_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadError, match="markov_head_type 'gated'"):
+        read_speculators(head_dir)
+
+
+def test_vllm_reads_the_speculators_config_as_the_vllm_layout(tmp_path, qwen3_target):
+    """vLLM's own speculators conversion (``update_dspark``) of the speculators config gives
+    the fields of the vLLM layout's config, and ``vllm serve DIR`` drafts the whole block."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    from draftsmith.core.targets import read_target
+    from draftsmith.drafters.dspark.speculators import speculators_config
+
+    target = read_target(str(qwen3_target))
+    head = random_head(target)
+    ours = dspark_config(head, target.config)
+    theirs = speculators_config(head, target.config, "verifier")
+    spec = SpeculatorsConfig.extract_vllm_speculative_config(json.loads(json.dumps(theirs)))
+    assert spec == {"method": "dspark", "num_speculative_tokens": head.block_size}
+    read = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(theirs)))
+    extra = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "dspark_bonus_anchor": False}
+    assert {k: read[k] for k in extra} == extra
+    assert {k: read[k] for k in ours if k != "torch_dtype"} == {
+        k: v for k, v in ours.items() if k != "torch_dtype"
+    }
 
 
 @pytest.mark.vllm
@@ -350,3 +464,22 @@ def test_tiny_dspark_trains_validates_and_exports(tmp_path, qwen3_target, make_h
     saved = read_checkpoint(ckpt)
     state = {k[5:]: v for k, v in saved["state_dict"].items() if k.startswith("head.")}
     assert_vllm_matches(DSpark.rebuild(saved["draftsmith"], state), head_dir, qwen3_target)
+    spec_dir = tmp_path / "head-speculators"
+    args = ["export", f"--checkpoint={ckpt}", f"--output={spec_dir}", "--to=speculators"]
+    assert cli_main(args) == 0
+    config = json.loads((spec_dir / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark"
+    assert config["aux_hidden_state_layer_ids"] == [2, 4, 5]  # the dataset's ids
+
+
+def test_export_to_speculators_is_refused_for_a_kind_without_it(monkeypatch, tmp_path):
+    import draftsmith.train.export as export
+    from draftsmith.train.checkpoints import CheckpointError
+
+    monkeypatch.setattr(export, "read_checkpoint", lambda path: {})
+    info = {"kind": "eagle3", "target": "unread"}
+    monkeypatch.setattr(export, "head_from_checkpoint", lambda ckpt: (None, info))
+    cfg = export.ExportConfig(checkpoint="c", output=str(tmp_path / "o"), to="speculators")
+    with pytest.raises(CheckpointError, match="eagle3 heads are exported as vllm: give") as err:
+        export.export_checkpoint(cfg)
+    assert "\n" not in str(err.value)

@@ -90,6 +90,9 @@ class Drafter:
     """vLLM ``speculative_config.method`` -> the ``config.json`` architectures it serves."""
     head_class: ClassVar[type[nn.Module]]
     """The head's class, rebuilt at export from ``info["head_kwargs"]``."""
+    layouts: ClassVar[tuple[str, ...]] = ("vllm",)
+    """The layouts ``export`` writes (``draftsmith export --to``); a kind with more than
+    ``vllm`` takes ``to=`` in ``export``."""
 
     def __init__(self, options: Any) -> None:
         self.options = options

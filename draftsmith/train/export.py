@@ -5,6 +5,9 @@ The checkpoint is read by ``checkpoints.py``; its kind's ``export`` writes the d
 
     draftsmith export --checkpoint outputs/train/smollm2/checkpoints/best.ckpt \\
         --output outputs/heads/smollm2-eagle3
+
+``--to speculators`` writes vllm-project/speculators' layout instead, for kinds that have one
+(DSpark).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -42,6 +46,10 @@ class ExportConfig:
     """k that ``vllm serve DIR`` uses by default."""
     dtype: str = "bfloat16"
     """Weight dtype on disk: bfloat16, float16 or float32."""
+    to: Literal["vllm", "speculators"] = "vllm"
+    """The layout: vllm (what vLLM loads with ``--speculative-config``), or speculators
+    (vllm-project/speculators' format, ``vllm serve DIR`` alone; DSpark heads; an EAGLE-3
+    export already carries the speculators block, ``draftsmith convert --to`` rewrites one)."""
 
 
 def export_checkpoint(cfg: ExportConfig) -> Path:
@@ -68,7 +76,14 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
             **card["Training data"],
             "draft_vocab_coverage": info["draft_vocab_coverage"],
         }
-    return drafters.get(info["kind"]).export(
+    kind = drafters.get(info["kind"])
+    if cfg.to not in kind.layouts:
+        raise CheckpointError(
+            f"to: {cfg.to!r}; {kind.name} heads are exported as {', '.join(kind.layouts)}: give "
+            "one of those (an EAGLE-3 export already holds the speculators block)"
+        )
+    layout = {"to": cfg.to} if cfg.to != "vllm" else {}  # only kinds with layouts take it
+    return kind.export(
         head,
         read_target(info["target"]),
         Path(cfg.output),
@@ -76,6 +91,7 @@ def export_checkpoint(cfg: ExportConfig) -> Path:
         num_speculative_tokens=cfg.num_speculative_tokens,
         card=card,
         dtype=dtypes[cfg.dtype],
+        **layout,
     )
 
 

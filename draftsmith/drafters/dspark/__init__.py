@@ -4,7 +4,8 @@ right, and a confidence head (``model.kind: dspark``; vLLM's ``method: dspark``)
 - ``model.py``: the drafter, op for op what vLLM 0.32 loads as ``Qwen3DSparkModel``.
 - ``blocks.py``: training blocks in vLLM's anchor-as-first layout, the valid prefix.
 - ``objective.py``: the CE + TV + confidence objective and the validation walk (T = 0, 1).
-- ``export.py``: the directory vLLM loads.
+- ``export.py``: the directory vLLM loads (``to``: vLLM's layout, or speculators').
+- ``speculators.py``: vllm-project/speculators' DSpark layout, written and read back.
 - ``options.py``: the options and where their defaults come from.
 
 Targets: vLLM 0.32 has a Qwen3-layer DSpark drafter (``Qwen3DSparkModel``), built here, and a
@@ -24,10 +25,11 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.dspark.export import ARCHITECTURE, export_dspark
+from draftsmith.drafters.dspark.export import ARCHITECTURE, LAYOUTS, export_dspark
 from draftsmith.drafters.dspark.model import DSparkDrafter, dspark_from_target
 from draftsmith.drafters.dspark.objective import dspark_loss
 from draftsmith.drafters.dspark.options import DSparkOptions
+from draftsmith.drafters.dspark.speculators import ARCHITECTURE as SPECULATORS_ARCHITECTURE
 from draftsmith.drafters.headfiles import check_block_taps
 from draftsmith.drafters.loss import TTTLoss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
@@ -72,7 +74,8 @@ class DSpark(Drafter):
     name = "dspark"
     title = "DSpark"
     Options = DSparkOptions
-    methods = {"dspark": (ARCHITECTURE,)}
+    methods = {"dspark": (ARCHITECTURE, SPECULATORS_ARCHITECTURE)}
+    layouts = LAYOUTS
     head_class = DSparkDrafter
     options: DSparkOptions
 
@@ -145,10 +148,17 @@ class DSpark(Drafter):
         cls, head: str, method: str, config: dict, shapes: dict[str, list[int]], target: TargetInfo
     ) -> None:
         check_target(target)
+        if "aux_hidden_state_layer_ids" in config:  # the speculators layout: ids 1-based
+            ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
+            check_block_taps(head, ids, "aux_hidden_state_layer_ids (- 1)", shapes, target)
+            return
         check_block_taps(head, config.get("target_layer_ids"), "target_layer_ids", shapes, target)
 
     @classmethod
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:
-        """A DSpark drafter is given to the target's server (GPU: vLLM's V2 model runner)."""
+        """A DSpark drafter is given to the target's server (GPU: vLLM's V2 model runner);
+        the speculators layout names the target and k itself."""
+        if "speculators_config" in config:
+            return f"vllm serve {head_dir}  (GPU only: V2 model runner)"
         spec = f'{{"method": "dspark", "model": "{head_dir}", "num_speculative_tokens": K}}'
         return f"vllm serve TARGET --speculative-config '{spec}'  (GPU only: V2 model runner)"

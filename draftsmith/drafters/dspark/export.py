@@ -20,7 +20,8 @@ What vLLM reads (``model_executor/models/qwen3_dspark.py``, ``qwen3_dflash.py``,
   DSpark loader drops it: mask slots read the target's row of ``mask_token_id``).
 - ``README.md``: how to serve it.
 
-No speculators-format export: DFlash's export has none to mirror.
+``to="speculators"`` writes vllm-project/speculators' DSpark layout instead
+(``speculators.py``): ``vllm serve DIR`` alone serves it, and speculators' own loader reads it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.dspark.model import DSparkDrafter
+from draftsmith.drafters.dspark.speculators import speculators_config, speculators_tensors
 from draftsmith.drafters.headfiles import (
     block_head_fields,
     card_text,
@@ -43,8 +45,10 @@ from draftsmith.drafters.headfiles import (
     state_tensors,
     write_head_dir,
 )
+from draftsmith.drafters.target_weights import load_target_weights
 
 ARCHITECTURE = "Qwen3DSparkModel"
+LAYOUTS = ("vllm", "speculators")
 
 
 def dspark_config(
@@ -83,32 +87,49 @@ def export_dspark(
     num_speculative_tokens: int | None = None,
     card: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    to: str = "vllm",
 ) -> Path:
     """Write ``head`` for ``target`` to ``out_dir`` (atomically). ``layer_ids``: draftsmith
     ids, checked against the drafter's; ``num_speculative_tokens``: the card's suggestion,
-    default block_size; ``card``: extra model-card sections."""
+    default block_size; ``card``: extra model-card sections; ``to``: the layout, vllm or
+    speculators (module docstring)."""
+    if to not in LAYOUTS:
+        raise ConfigError(f"to: {to!r} is not a DSpark layout; use one of {list(LAYOUTS)}")
     if layer_ids is not None and [i - 1 for i in layer_ids] != head.target_layer_ids:
         raise ConfigError(
             f"layer_ids {layer_ids} do not match the drafter's target_layer_ids "
             f"{head.target_layer_ids} (+1 each); export the checkpoint as it was trained"
         )
-    config = dspark_config(head, target.config, dtype)
+    config = facts = dspark_config(head, target.config, dtype)
     k = num_speculative_tokens or head.block_size
+    tensors = dspark_tensors(head, dtype)
+    if to == "speculators":  # its config names k: the whole block, as speculators writes it
+        config = speculators_config(head, target.config, target.path, dtype)
+        tensors = speculators_tensors(tensors, load_target_weights(target), dtype)
+        k = head.block_size
 
     def write(tmp: Path) -> None:
-        save_file(dspark_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
+        save_file(tensors, tmp / "model.safetensors", {"format": "pt"})
         write_json_atomic(tmp / "config.json", config)
         final = Path(out_dir).absolute()
-        (tmp / "README.md").write_text(model_card(config, target.path, final, k, card or {}))
+        text = model_card(facts, target.path, final, k, card or {}, to)
+        (tmp / "README.md").write_text(text)
 
     return write_head_dir(out_dir, write)
 
 
 def model_card(
-    config: dict[str, Any], target: str, out_dir: Path, k: int, card: dict[str, Any]
+    config: dict[str, Any],
+    target: str,
+    out_dir: Path,
+    k: int,
+    card: dict[str, Any],
+    to: str = "vllm",
 ) -> str:
-    """README.md: what the drafter is, how to serve it, then the ``card`` sections."""
+    """README.md: what the drafter is (``config``: its vLLM-layout config), how to serve the
+    ``to`` layout, then the ``card`` sections."""
     facts = {
+        "layout": "vllm-project/speculators (DSparkSpeculator)" if to == "speculators" else "vLLM",
         "target (verifier)": target,
         "method": f"vLLM `method: dspark`, `{ARCHITECTURE}` (V2 GPU model runner only)",
         "draft layers": config["num_hidden_layers"],
@@ -124,8 +145,14 @@ def model_card(
         f"# DSpark drafter for `{target}`",
         section(facts),
         "## Use it",
-        f"vLLM drafts `num_speculative_tokens` slots per block (trained with {k}); DSpark runs "
+        f"vLLM drafts `num_speculative_tokens` slots per block (trained with block_size "
+        f"{config['block_size']}); DSpark runs "
         "only in vLLM's V2 GPU model runner:",
         f"```bash\nvllm serve {target} --speculative-config '{spec}'\n```",
     ]
+    if to == "speculators":
+        parts += [
+            "The config names the verifier and k, so the directory alone serves both:",
+            f"```bash\nvllm serve {out_dir}\n```",
+        ]
     return card_text(parts, target, spec, card)
