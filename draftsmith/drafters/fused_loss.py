@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
+from draftsmith.drafters.grads_in_forward import GradsInForward
 
 FusedMode = Literal["auto", "on", "off"]
 
@@ -127,7 +128,7 @@ class LogitTeacher:
         return self.logits, self.slot[index]
 
 
-class FusedDraftLoss(torch.autograd.Function):
+class FusedDraftLoss(GradsInForward):
     """``ChunkedDraftLoss`` with the same arguments, the teacher a ``LogitTeacher``: the loss
     of each chunk by the Triton kernel pair (module docstring)."""
 
@@ -171,17 +172,5 @@ class FusedDraftLoss(torch.autograd.Function):
                     grad_states[di] = (z @ w_c).to(states.dtype)
                 if need_grad[1]:  # per chunk in dt (fp32 accumulation), summed in fp32
                     grad_weight += z.T @ x
-        grads = [
-            grad_states if need_grad[0] else None,
-            grad_weight.to(weight.dtype) if need_grad[1] else None,
-        ]
-        ctx.need_grad = need_grad
-        ctx.save_for_backward(*[g for g in grads if g is not None])
-        ctx.mark_non_differentiable(draft_top1, teacher_top1)
-        return total, draft_top1, teacher_top1
-
-    @staticmethod
-    def backward(ctx, grad_total: Tensor, *_unused: Tensor):  # type: ignore[override]
-        saved = iter(ctx.saved_tensors)
-        grads = [grad_total * next(saved) if need else None for need in ctx.need_grad]
-        return *grads, *([None] * 7)
+        return GradsInForward.finish(ctx, need_grad, grad_states, grad_weight, weight, total,
+                                     draft_top1, teacher_top1)  # fmt: skip

@@ -342,3 +342,14 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, positions, rope, attend)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+def mix_experts(experts: nn.ModuleList, flat: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+    """The routed experts' weighted sum: flat [N, H], weights / ids [N, top_k] -> [N, H]
+    (accumulated in float32, returned in ``flat``'s dtype)."""
+    out = torch.zeros_like(flat, dtype=torch.float32)
+    for e, expert in enumerate(experts):
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if rows.numel():
+            out.index_add_(0, rows, expert(flat[rows]).float() * weights[rows, slot, None])
+    return out.to(flat.dtype)

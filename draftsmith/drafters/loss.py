@@ -45,6 +45,7 @@ from draftsmith.drafters.fused_loss import (
     compute_dtype,
     fused_enabled,
 )
+from draftsmith.drafters.grads_in_forward import GradsInForward
 
 LossKind = Literal["kl", "tv", "kl_tv"]
 
@@ -126,7 +127,7 @@ class Teacher:
         return self.probs[slot], self.top1[slot]
 
 
-class ChunkedDraftLoss(torch.autograd.Function):
+class ChunkedDraftLoss(GradsInForward):
     """sum_i w_i * loss(p_teacher_i, softmax(x_i @ W.T)) over index pairs, in chunks of tokens
     (``objective`` = (cross-entropy weight, TV weight), see ``objective_weights``)."""
 
@@ -167,20 +168,8 @@ class ChunkedDraftLoss(torch.autograd.Function):
                 grad_states[di] = (g.to(weight.dtype) @ weight).to(states.dtype)
             if need_grad[1]:
                 grad_weight += g.T @ x.to(wide)
-        grads = [
-            grad_states if need_grad[0] else None,
-            grad_weight.to(weight.dtype) if need_grad[1] else None,
-        ]
-        ctx.need_grad = need_grad
-        ctx.save_for_backward(*[g for g in grads if g is not None])
-        ctx.mark_non_differentiable(draft_top1, teacher_top1)
-        return total, draft_top1, teacher_top1
-
-    @staticmethod
-    def backward(ctx, grad_total: Tensor, *_unused: Tensor):  # type: ignore[override]
-        saved = iter(ctx.saved_tensors)
-        grads = [grad_total * next(saved) if need else None for need in ctx.need_grad]
-        return *grads, *([None] * 7)
+        return GradsInForward.finish(ctx, need_grad, grad_states, grad_weight, weight, total,
+                                     draft_top1, teacher_top1)  # fmt: skip
 
 
 def draft_loss(

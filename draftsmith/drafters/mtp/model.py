@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.core.targets import text_config
-from draftsmith.drafters.layers import MLP, AttendFn, DecoderLayer, RMSNorm, RotaryEmbedding
+from draftsmith.drafters.layers import (
+    MLP,
+    AttendFn,
+    DecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    mix_experts,
+)
 from draftsmith.drafters.llama import target_sizes
 from draftsmith.drafters.mtp.families import Family
 from draftsmith.drafters.mtp.qwen3_next import OffsetRMSNorm, Qwen3NextBlock, block_options
@@ -70,13 +77,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """[B, T, H] -> [B, T, H]."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        weights, ids = self.route(flat)
-        out = torch.zeros_like(flat, dtype=torch.float32)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out.index_add_(0, rows, expert(flat[rows]).float() * weights[rows, slot, None])
-        out = out.to(x.dtype)
+        out = mix_experts(self.experts, flat, *self.route(flat))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view_as(x)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.layers import MLP, AttendFn, RMSNorm, RotaryEmbedding
+from draftsmith.drafters.layers import MLP, AttendFn, RMSNorm, RotaryEmbedding, mix_experts
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -99,13 +99,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """[B, T, H] -> [B, T, H]."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
-        weights, ids = self.route(flat)
-        out = torch.zeros_like(flat, dtype=torch.float32)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out.index_add_(0, rows, expert(flat[rows]).float() * weights[rows, slot, None])
-        out = out.to(x.dtype)
+        out = mix_experts(self.experts, flat, *self.route(flat))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)
