@@ -21,9 +21,11 @@ from __future__ import annotations
 import importlib.metadata
 import types
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
+from draftsmith.core.readers import read_json
 from draftsmith.train.bench import Prepared
 
 TESTED_VERSION = "0.9.0"
@@ -55,7 +57,8 @@ def prepare(
     from transformers import AutoConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    layer = AutoConfig.from_pretrained(target)
+    data = read_json(Path(target, "config.json"), "target config", "pass a target directory")
+    layer = AutoConfig.for_model(**data)  # the same config transformers would read
     layer = getattr(layer, "text_config", layer)
     layer.num_hidden_layers = 1
     # Its trainer's default is flex attention; flex has no backward on CPU, where sdpa runs.
