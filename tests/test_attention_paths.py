@@ -33,6 +33,7 @@ from draftsmith.drafters.ttt_compile import (
     COMPILE_GAIN,
     compile_wins,
     compiled_unroll,
+    resolve_attention,
     use_compile,
 )
 from draftsmith.drafters.ttt_flex import flex_step_attention, ttt_block_mask
@@ -96,6 +97,19 @@ def assert_same(a, b, **tol) -> None:
     assert set(ga) == set(gb) and ga
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], msg=name, **tol)
+
+
+def assert_close_in_norm(a, b, rel: float) -> None:
+    """Every state, input gradient and parameter gradient within ``rel`` of the other's
+    norm: bf16 rounds a summed weight gradient of 219 to steps of 1, so elementwise
+    tolerances judge rounding, not the kernel (on an H200: flex and efficient both within
+    0.6% of dense, 2026-11-27)."""
+    (sa, ha, ga), (sb, hb, gb) = a, b
+    assert set(ga) == set(gb) and ga
+    pairs = [*zip(sa, sb, strict=True), (ha, hb), *((ga[n], gb[n]) for n in ga)]
+    for i, (x, y) in enumerate(pairs):
+        err = ((x.float() - y.float()).norm() / y.float().norm()).item()
+        assert err <= rel, (i, err)
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -224,11 +238,11 @@ def test_eagle3_first_layer_reads_embeddings_in_the_state_dtype() -> None:
 
 
 def test_compile_choice_per_ttt_setting() -> None:
-    assert COMPILE_GAIN[7] > 0 > COMPILE_GAIN[3]  # as measured on 2026-11-26
-    assert compile_wins(7) and compile_wins(10) and not compile_wins(3)
-    assert not compile_wins(5)  # a tie goes to the smaller measured setting
+    assert COMPILE_GAIN[7] > COMPILE_GAIN[3] > 0  # as measured on 2026-11-27 (H200)
+    assert compile_wins(7) and compile_wins(10) and compile_wins(1)
+    assert not compile_wins(5, {3: -0.4, 7: 0.1})  # a tie goes to the smaller measured setting
     assert compile_wins(4, {2: -0.1, 4: 0.2})
-    assert use_compile("auto", 7, "cuda") and not use_compile("auto", 3, "cuda")
+    assert use_compile("auto", 7, "cuda") and use_compile("auto", 3, "cuda")
     assert not use_compile("auto", 7, "cpu")  # CPU: today's eager path
     assert not use_compile("auto", 7, "cuda", world_size=8)  # several processes: not measured
     assert use_compile("on", 3, "cpu") and not use_compile("off", 7, "cuda")
@@ -236,7 +250,15 @@ def test_compile_choice_per_ttt_setting() -> None:
         use_compile("yes", 7, "cuda")  # type: ignore[arg-type]
     assert TTTOptions().compile == "auto" and TTTOptions(attention="flex").attention == "flex"
     docs = field_docs(TTTOptions)
-    assert "flex" in docs["attention"] and "2026-11-26" in docs["compile"]
+    assert "flex" in docs["attention"] and "2026-11-27" in docs["compile"]
+
+
+def test_auto_attention_follows_the_device_and_compile() -> None:
+    assert resolve_attention("auto", "cpu", compiled=False) == "blockwise"
+    assert resolve_attention("auto", "cpu", compiled=True) == "blockwise"
+    assert resolve_attention("auto", "cuda", compiled=True) == "flex"
+    assert resolve_attention("auto", "cuda", compiled=False) == "efficient"
+    assert resolve_attention("dense", "cuda", compiled=True) == "dense"
 
 
 def test_compiled_unroll_equals_eager() -> None:
@@ -261,4 +283,4 @@ def test_flex_on_cuda_equals_dense(steps: int) -> None:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = unroll_with_grads(head, batch, steps, "flex")
         want = unroll_with_grads(head, batch, steps, "dense")
-    assert_same(got, want, atol=3e-2, rtol=3e-2)
+    assert_close_in_norm(got, want, rel=1.5e-2)

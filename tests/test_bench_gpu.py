@@ -237,12 +237,14 @@ def test_bench_train_passes_every_lever_to_the_step(monkeypatch, tiny_model_dir)
 
 
 def test_auto_levers_on_a_gpu_by_ttt():
-    """What the main rows' auto resolves to on a one-GPU device (from ttt_compile's table)."""
-    for ttt, compiled in ((3, False), (7, True)):
-        cfg = bench.BenchTrainConfig(ttt_steps=ttt)
-        levers = bench.resolve_levers(cfg, "cuda")
-        fused = triton_missing() is None  # the device image has Triton
-        assert levers == {"fused_loss": fused, "attention": "efficient", "compile": compiled}
+    """What the main rows' auto resolves to on a one-GPU device (from ttt_compile's table:
+    every lever since the H200 run of 2026-11-27), and with compile off."""
+    fused = triton_missing() is None  # the device image has Triton
+    for ttt in (3, 7):
+        levers = bench.resolve_levers(bench.BenchTrainConfig(ttt_steps=ttt), "cuda")
+        assert levers == {"fused_loss": fused, "attention": "flex", "compile": True}
+        eager = bench.resolve_levers(bench.BenchTrainConfig(ttt_steps=ttt, compile="off"), "cuda")
+        assert eager == {"fused_loss": fused, "attention": "efficient", "compile": False}
 
 
 def test_speculators_that_does_not_import_says_why(monkeypatch):

@@ -59,14 +59,14 @@ class TTTOptions(HeadOptions):
     final norm as the target's (``target_init.py``). Needs the head's hidden size to equal the
     target's. Default: random init."""
     attention: Literal["auto", "blockwise", "efficient", "dense", "flex"] = "auto"
-    """TTT attention: ``auto`` (blockwise on CPU, efficient on GPU), ``blockwise``,
-    ``efficient`` (SDPA; O(T) per step), ``dense`` (reference) or ``flex`` (torch's flex
-    attention with a block mask of the packed documents and TTT diagonals, one fused
-    kernel; trains on CUDA only, ``ttt_flex.py``)."""
+    """TTT attention: ``auto`` (blockwise on CPU; on CUDA flex when the unroll is compiled,
+    else efficient), ``blockwise``, ``efficient`` (SDPA; O(T) per step), ``dense``
+    (reference) or ``flex`` (torch's flex attention with a block mask of the packed documents
+    and TTT diagonals, one fused kernel; trains on CUDA only, ``ttt_flex.py``)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """torch.compile of the TTT unroll (``ttt_compile.py``): ``auto`` compiles in a
     one-process CUDA run where it was measured faster for the nearest ``ttt_steps``
-    (2026-11-26, H100: +13% at 7, -38% at 3), never on CPU or under several processes;
+    (2026-11-27, H200: +48% at 3, +110% at 7), never on CPU or under several processes;
     ``on`` always; ``off`` never. P-EAGLE's one pass ignores it."""
 
     def __post_init__(self) -> None:

@@ -26,7 +26,8 @@ with k diagonal scores through their log-sum-exp; memory does not grow with k),
 ``blockwise`` (the same merge, with the prefix attention and its log-sum-exp from one
 blockwise pass that skips keys a query block cannot see; ``PrefixAttention``) and ``flex``
 (dense's keys and mask as a flex-attention block mask, one fused kernel; ``ttt_flex.py``,
-CUDA for training). ``auto`` picks blockwise on CPU and efficient on GPU.
+CUDA for training). ``auto`` picks blockwise on CPU; on CUDA, flex where the unroll is
+compiled and efficient otherwise (``ttt_compile.resolve_attention``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""torch.compile of the TTT unroll (``model.compile``), chosen per TTT setting.
+"""torch.compile of the TTT unroll (``model.compile``) and the attention path ``auto`` picks.
 
 ``on`` compiles ``ttt.ttt_unroll`` (every draft step's forward, and through AOTAutograd its
 backward) wherever the states are; ``off`` runs it eagerly; ``auto`` compiles in a
 single-process CUDA run where a measurement said compiling wins (``COMPILE_GAIN``, the nearest
 measured ``ttt_steps``; a tie goes to the smaller), never on CPU (the eager path, unchanged)
 and never under several processes (DDP, FSDP, DeepSpeed: not measured; ``on`` forces it).
-``python -m draftsmith.train.bench_attention`` re-measures the table on a GPU.
+``model.attention: auto`` is flex where the unroll is compiled on CUDA, the efficient SDPA
+path on CUDA otherwise and blockwise on CPU (``resolve_attention``). ``python -m
+draftsmith.train.bench_attention`` and ``make bench-gpu`` re-measure both on a GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from draftsmith.drafters.ttt import ttt_unroll
 
 CompileMode = Literal["auto", "on", "off"]
 
-# Throughput of the compiled training step over the eager one, per ttt_steps: H100, the
-# Llama-3.1-8B shape, rows of 2,048 tokens, bf16 autocast, frozen lm_head; measured
-# 2026-11-26 on main aee9164 (whole step compiled; ../shared/notes/gpu.md, issue 43).
-COMPILE_GAIN: dict[int, float] = {3: -0.38, 7: 0.13}
+# Throughput of the training step with the TTT unroll compiled over the eager one, per
+# ttt_steps: H200, the Llama-3.1-8B shape, rows of 2,048 tokens, bf16 autocast, frozen lm_head,
+# torch loss, efficient attention; `make bench-gpu` on 2026-11-27, commit 8cc20c2 (its levers
+# table: compile 44,477 vs old 30,132 tok/s at TTT 3, 21,776 vs 10,358 at TTT 7). The first
+# measurement (H100, 2026-11-26, aee9164: -38% at 3, +13% at 7) compiled the whole step.
+COMPILE_GAIN: dict[int, float] = {3: 0.48, 7: 1.10}
 
 _compiled: dict[str, Callable] = {}
 
@@ -50,13 +54,22 @@ def use_compile(
     return mode == "on"
 
 
+def resolve_attention(attention: str, device: torch.device | str, compiled: bool) -> str:
+    """``model.attention`` as a step on ``device`` runs it: ``auto`` is blockwise on CPU, flex
+    on CUDA when the unroll is ``compiled`` and efficient (SDPA) on CUDA otherwise; another
+    value is kept. Measured by ``make bench-gpu`` (H200, 2026-11-27, 8cc20c2, frozen lm_head):
+    fused loss + flex + compile ran 57,401 tok/s at TTT 3 and 28,417 at TTT 7, against
+    35,668 and 27,004 for fused + efficient (eager at 3, compiled at 7); eager flex lost at
+    TTT 3 (0.72x the efficient path)."""
+    if attention != "auto":
+        return attention
+    if torch.device(device).type == "cpu":
+        return "blockwise"
+    return "flex" if compiled else "efficient"
+
+
 def compiled_unroll(backend: str = "inductor") -> Callable[..., list[torch.Tensor]]:
     """``ttt_unroll`` under ``torch.compile`` (one per backend and process)."""
     if backend not in _compiled:
         _compiled[backend] = torch.compile(ttt_unroll, backend=backend)
     return _compiled[backend]
-
-
-def unroll_for(mode: CompileMode, ttt_steps: int, device: torch.device | str) -> Callable:
-    """The unroll a run uses: ``ttt_unroll``, compiled or not (``use_compile``)."""
-    return compiled_unroll() if use_compile(mode, ttt_steps, device) else ttt_unroll

@@ -19,7 +19,8 @@ from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.loss import TTTLoss, teacher_argmax, ttt_loss
 from draftsmith.drafters.options import TTTOptions
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.ttt_compile import unroll_for
+from draftsmith.drafters.ttt import ttt_unroll
+from draftsmith.drafters.ttt_compile import compiled_unroll, resolve_attention, use_compile
 from draftsmith.drafters.walk import served_walk
 
 
@@ -41,10 +42,11 @@ def unrolled_loss(
         to_draft: [V] the draft id of each target id (-1 outside), None for the full vocab.
     """
     head = trainee.head
-    unroll = unroll_for(opt.compile, opt.ttt_steps, states.device)  # ttt_unroll, compiled or not
+    compiled = use_compile(opt.compile, opt.ttt_steps, states.device)
+    unroll = compiled_unroll() if compiled else ttt_unroll
     steps = unroll(
         head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
-        opt.ttt_steps, opt.attention,
+        opt.ttt_steps, resolve_attention(opt.attention, states.device, compiled),
     )  # fmt: skip
     top1 = None
     if not trainee.training:  # accuracy as vLLM judges it: the target's argmax over all ids

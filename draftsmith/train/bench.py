@@ -44,7 +44,12 @@ from draftsmith.drafters.fused_loss import FusedMode, fused_enabled
 from draftsmith.drafters.loss import ttt_loss
 from draftsmith.drafters.target_weights import load_target_weights
 from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll
-from draftsmith.drafters.ttt_compile import CompileMode, compiled_unroll, use_compile
+from draftsmith.drafters.ttt_compile import (
+    CompileMode,
+    compiled_unroll,
+    resolve_attention,
+    use_compile,
+)
 from draftsmith.train.flops import peak_tflops
 
 
@@ -72,8 +77,9 @@ class BenchTrainConfig:
     loss_chunk_size: int = 1024
     """Tokens per chunk of logits in the loss."""
     attention: AttentionImpl = "auto"
-    """TTT attention (as ``model.attention``): auto (blockwise on CPU, efficient on GPU),
-    blockwise, efficient, dense or flex (trains on CUDA only)."""
+    """TTT attention (as ``model.attention``): auto (blockwise on CPU; on CUDA flex
+    when the unroll is compiled, else efficient), blockwise, efficient, dense or flex (trains
+    on CUDA only)."""
     fused_loss: FusedMode = "auto"
     """The loss's fused Triton path (as ``model.fused_loss``): auto (on CUDA with Triton),
     on (refused where it cannot run) or off (the torch path)."""
@@ -116,17 +122,15 @@ class Prepared:
 
 def resolve_levers(cfg: BenchTrainConfig, device: str) -> dict:
     """The speed levers ``cfg`` asks for, as a step on ``device`` runs them: ``fused_loss``
-    and ``compile`` true or false, ``attention`` the path auto picks (as ``ttt.TTTAttention``:
-    blockwise on CPU, efficient on GPU). A fused loss ``on`` where it cannot run is refused
+    and ``compile`` true or false, ``attention`` the path a training step picks
+    (``ttt_compile.resolve_attention``). A fused loss ``on`` where it cannot run is refused
     here (ConfigError), before the head is built."""
     dev = torch.device(device)
-    attention = cfg.attention
-    if attention == "auto":
-        attention = "blockwise" if dev.type == "cpu" else "efficient"
+    compiled = use_compile(cfg.compile, cfg.ttt_steps, dev, world_size=1)
     return {
         "fused_loss": fused_enabled(cfg.fused_loss, dev),
-        "attention": attention,
-        "compile": use_compile(cfg.compile, cfg.ttt_steps, dev, world_size=1),
+        "attention": resolve_attention(cfg.attention, dev, compiled),
+        "compile": compiled,
     }
 
 
