@@ -87,7 +87,8 @@ def test_time_limit_skips_baselines_that_would_overrun(
     monkeypatch, tiny_model_dir, tiny_eagle3_head, prompts, tmp_path
 ):
     """Each (stand-in) engine takes 0.3 s: with 0.5 s allowed, no speculation, the head and
-    ngram run (never skipped), suffix would end past the limit and is skipped."""
+    ngram run (never skipped), suffix would end past the limit and is skipped. Its time is
+    predicted from the engines without a draft model: a slow head does not skip it."""
     import importlib.util
     import time
 
@@ -96,11 +97,11 @@ def test_time_limit_skips_baselines_that_would_overrun(
     from draftsmith.evaluate.config import EvalConfig
     from draftsmith.evaluate.main import evaluate
 
-    ran = []
+    ran, seconds = [], {}
 
     def engine_run(cfg, model, method, prompts, kwargs):
         ran.append(method.name)
-        time.sleep(0.3)
+        time.sleep(seconds.get(method.name, 0.3))
         return [], {(d, 0.0): [[1, 2, 3]] * len(p) for d, p in prompts.items()}, {}
 
     monkeypatch.setattr(runs, "offline_runs", engine_run)
@@ -118,3 +119,11 @@ def test_time_limit_skips_baselines_that_would_overrun(
     ran.clear()
     results, _ = evaluate(parse_config(EvalConfig, base, prog="eval"))
     assert ran == ["none", "eagle3", "ngram", "suffix"] and results["skipped"] == []
+    ran.clear()  # 0.1 + 0.6 + 0.1 s used; suffix predicted 0.1 s (ngram's), not the head's 0.6
+    seconds.update(none=0.1, eagle3=0.6, ngram=0.1, suffix=0.1)
+    results, _ = evaluate(parse_config(EvalConfig, [*base, "--time_limit=1.1"], prog="eval"))
+    assert ran == ["none", "eagle3", "ngram", "suffix"] and results["skipped"] == []
+    ran.clear()
+    seconds.update(ngram=0.4)  # 1.1 s used + 0.4 predicted > 1.3
+    results, _ = evaluate(parse_config(EvalConfig, [*base, "--time_limit=1.3"], prog="eval"))
+    assert ran == ["none", "eagle3", "ngram"] and results["skipped"][0]["method"] == "suffix"

@@ -102,18 +102,19 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     n_prompts = sum(map(len, prompts.values()))
     say(f"eval: {len(methods)} engines x {n_prompts} prompts ({', '.join(prompts)})")
     bar = progress(len(methods), "eval", unit="engine")
-    started, slowest, skipped = time.monotonic(), 0.0, []
+    started, took, skipped = time.monotonic(), {}, []  # took: seconds per method name
     for method in methods:
         label = method.name + (f" k={method.k}" if method.k else "")
         elapsed = time.monotonic() - started
+        predicted = runs.predicted_s(method, took)
         if (
             cfg.time_limit
             and runs.skippable_under_time_limit(method)
-            and elapsed + slowest > cfg.time_limit
+            and elapsed + predicted > cfg.time_limit
         ):
             skipped.append({"method": method.name, "k": method.k, "reason": "time_limit"})
-            say(f"eval: {label} skipped: {elapsed:.0f} s used, the slowest method took "
-                f"{slowest:.0f} s, time_limit {cfg.time_limit:.0f} s")  # fmt: skip
+            say(f"eval: {label} skipped: {elapsed:.0f} s used, {predicted:.0f} s predicted "
+                f"for it, time_limit {cfg.time_limit:.0f} s")  # fmt: skip
             bar.update(1)
             continue
         bar.set_postfix_str(label)
@@ -128,7 +129,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         records += recs
         for key, value in outs.items():
             outputs[(method, *key)] = value
-        slowest = max(slowest, time.monotonic() - method_started)
+        took[method.name] = max(took.get(method.name, 0.0), time.monotonic() - method_started)
         bar.update(1)
     bar.close()
 

@@ -100,6 +100,17 @@ def skippable_under_time_limit(method: Method) -> bool:
     return method.name == "suffix"
 
 
+def predicted_s(method: Method, took: dict[str, float]) -> float:
+    """Seconds ``method``'s engine should take, from the engines that ran (``took``: the
+    longest per method name): a method that loads no draft model (suffix) from the slowest
+    of no speculation and ngram, which draft the same way or not at all; otherwise, or when
+    neither ran, from the slowest engine (a head's includes its expected-acceptance pass)."""
+    peers = [took[name] for name in ("none", "ngram") if name in took]
+    if method.name in ("suffix", "ngram") and peers:
+        return max(peers)
+    return max(took.values(), default=0.0)
+
+
 def run_record(
     dataset: str,
     method: Method,
