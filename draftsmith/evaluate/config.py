@@ -79,7 +79,8 @@ class EvalConfig:
     """Compare greedy outputs of every speculative method with no speculation, token for token."""
     time_limit: float | None = None
     """Seconds the evaluation may take (the pipeline's time_budget sets it): suffix decoding,
-    when its engine would end past it (judged by the slowest method so far), is skipped and
+    when its engine would end past it (predicted as long as the slower of no speculation's
+    and ngram's engines, ``runs.predicted_s``), is skipped and
     listed in results.json's ``skipped``. No speculation, the head and ngram always run."""
     train_data: str | None = None
     """The extracted dataset the head was trained on (the pipeline fills it in): eval refuses,
