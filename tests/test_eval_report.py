@@ -403,3 +403,29 @@ def test_one_measured_k_draws_bars_not_a_lone_point(tmp_path, monkeypatch):
     drawn.clear()
     write_report(make_results(), tmp_path, wandb=False)  # k = 1 and 3 measured: a line
     assert drawn == []
+
+
+def test_plots_draw_suffix_beside_ngram(monkeypatch):
+    """Every model-free baseline that ran is drawn: bars, lines and markers name suffix."""
+    from matplotlib.figure import Figure
+
+    from draftsmith.evaluate import plots
+
+    runs = make_results()["runs"]
+    suffix = [{**r, "method": "suffix"} for r in runs if r["method"] == "ngram"]
+    for r in suffix:
+        r["speedup_vs_none"] = r["speedup_vs_none"] and r["speedup_vs_none"] + 0.1
+    ax = Figure().add_subplot()
+    head = plots.by_dataset(runs, "eagle3", "speedup_vs_none")
+    others = {n: plots.by_dataset(runs + suffix, n, "speedup_vs_none") for n in plots.BASELINES}
+    plots._speedup_bars(ax, {d: rs[-1:] for d, rs in head.items()}, others, "eagle3")
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["eagle3", "ngram (best k)", "suffix (best k)"]
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    for plot in (plots.plot_length_vs_k, plots.plot_speedup_vs_k):
+        drawn.clear()
+        assert plot(runs + suffix, "eagle3", "(T=0)", "unused.png")
+        legend = [t for ax in drawn[0].axes for t in ax.get_legend_handles_labels()[1]]
+        assert any(t.startswith("suffix, mt_bench") for t in legend), legend
+        assert any(t.startswith("ngram, mt_bench") for t in legend), legend

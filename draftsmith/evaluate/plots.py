@@ -20,6 +20,10 @@ def drafter(results: dict) -> str | None:
     return "draft_model" if any(r["method"] == "draft_model" for r in results["runs"]) else None
 
 
+# The model-free methods drawn beside the drafter: (marker in the k plots, line style).
+BASELINES = {"ngram": ("x", "--"), "suffix": ("+", "-.")}
+
+
 def by_dataset(runs: list[dict], method: str, field: str) -> dict[str, list[dict]]:
     """Runs of `method` with `field` set, per dataset, sorted by k."""
     out: dict[str, list[dict]] = {}
@@ -52,11 +56,12 @@ def plot_per_position(runs: list[dict], method: str, title: str, path: Path) -> 
 
 
 def plot_length_vs_k(runs: list[dict], method: str, title: str, path: Path) -> bool:
-    """Lines: acceptance length and tokens/step vs k per dataset; ngram as markers."""
+    """Lines: acceptance length and tokens/step vs k per dataset; ngram and suffix as
+    markers."""
     head = by_dataset(runs, method, "acceptance_length")
     if not head:
         return False
-    ngram = by_dataset(runs, "ngram", "acceptance_length")
+    others = {name: by_dataset(runs, name, "acceptance_length") for name in BASELINES}
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     axes = fig.subplots(1, 2, sharex=True)
     fields = {"acceptance_length": "acceptance length", "tokens_per_step": "tokens / step"}
@@ -64,9 +69,11 @@ def plot_length_vs_k(runs: list[dict], method: str, title: str, path: Path) -> b
         for i, (dataset, rs) in enumerate(head.items()):
             ks, ys = [r["k"] for r in rs], [r[field] for r in rs]
             ax.plot(ks, ys, "o-", color=f"C{i}", label=dataset)
-            if dataset in ngram:
-                ks, ys = zip(*((r["k"], r[field]) for r in ngram[dataset]), strict=True)
-                ax.plot(ks, ys, "x", ms=9, mew=2, color=f"C{i}", label=f"ngram, {dataset}")
+            for name, rows in others.items():
+                if dataset in rows:
+                    ks, ys = zip(*((r["k"], r[field]) for r in rows[dataset]), strict=True)
+                    mark = BASELINES[name][0]
+                    ax.plot(ks, ys, mark, ms=9, mew=2, color=f"C{i}", label=f"{name}, {dataset}")
         ax.set(xlabel="k (draft tokens)", ylabel=label, title=f"{method}: {label} {title}")
         ax.grid(alpha=0.3)
     axes[0].xaxis.get_major_locator().set_params(integer=True)
@@ -76,26 +83,29 @@ def plot_length_vs_k(runs: list[dict], method: str, title: str, path: Path) -> b
 
 
 def plot_speedup_vs_k(runs: list[dict], method: str, title: str, path: Path) -> bool:
-    """Speedup vs none by k per dataset; ngram's best as a dashed line per dataset."""
+    """Speedup vs none by k per dataset; ngram's and suffix's best as lines per dataset."""
     head = by_dataset(runs, method, "speedup_vs_none")
     if not head:
         return False
-    ngram = by_dataset(runs, "ngram", "speedup_vs_none")
+    others = {name: by_dataset(runs, name, "speedup_vs_none") for name in BASELINES}
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     ax.axhline(1.0, color="gray", lw=1, ls=":", label="no speculation")
     if all(len(rs) == 1 for rs in head.values()):  # one measured k: bars, not a lone point
-        _speedup_bars(ax, head, ngram, method)
+        _speedup_bars(ax, head, others, method)
         ax.set_title(f"{method}: speedup vs no speculation {title}")
         fig.savefig(path, dpi=120)
         return True
     for i, (dataset, rs) in enumerate(head.items()):
         ys = [r["speedup_vs_none"] for r in rs]
         ax.plot([r["k"] for r in rs], ys, "o-", color=f"C{i}", label=dataset)
-        if dataset in ngram:
-            best = max(ngram[dataset], key=lambda r: r["speedup_vs_none"])
-            label = f"ngram, {dataset} (best: k={best['k']})"
-            ax.axhline(best["speedup_vs_none"], color=f"C{i}", ls="--", label=label)
+        for name, rows in others.items():
+            if dataset in rows:
+                best = max(rows[dataset], key=lambda r: r["speedup_vs_none"])
+                label = f"{name}, {dataset} (best: k={best['k']})"
+                ax.axhline(
+                    best["speedup_vs_none"], color=f"C{i}", ls=BASELINES[name][1], label=label
+                )
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set(xlabel="k (draft tokens)", ylabel="output tok/s ÷ no speculation")
     ax.set_title(f"{method}: speedup vs no speculation {title}")
@@ -105,14 +115,15 @@ def plot_speedup_vs_k(runs: list[dict], method: str, title: str, path: Path) -> 
     return True
 
 
-def _speedup_bars(ax, head: dict, ngram: dict, method: str) -> None:
-    """Per dataset: the head's speedup at its one k beside ngram's best."""
+def _speedup_bars(ax, head: dict, others: dict[str, dict], method: str) -> None:
+    """Per dataset: the head's speedup at its one k beside each baseline's best."""
     datasets = list(head)
     rows = [(method, [head[d][0] for d in datasets])]
-    if ngram:
-        best = [max(ngram[d], key=lambda r: r["speedup_vs_none"]) if d in ngram else None
-                for d in datasets]  # fmt: skip
-        rows.append(("ngram (best k)", best))
+    for name, runs in others.items():
+        if runs:
+            best = [max(runs[d], key=lambda r: r["speedup_vs_none"]) if d in runs else None
+                    for d in datasets]  # fmt: skip
+            rows.append((f"{name} (best k)", best))
     width = 0.8 / len(rows)
     for i, (label, rs) in enumerate(rows):
         shown = [(j, r) for j, r in enumerate(rs) if r]
