@@ -90,6 +90,9 @@ class Drafter:
     """vLLM ``speculative_config.method`` -> the ``config.json`` architectures it serves."""
     head_class: ClassVar[type[nn.Module]]
     """The head's class, rebuilt at export from ``info["head_kwargs"]``."""
+    cpu_serving: ClassVar[bool] = True
+    """Whether vLLM's CPU build serves this kind's heads (its V1 model runner); False for kinds
+    vLLM serves only in its GPU model runner: eval then reports the head simulated, not served."""
     layouts: ClassVar[tuple[str, ...]] = ("vllm",)
     """The layouts ``export`` writes (``draftsmith export --to``); a kind with more than
     ``vllm`` takes ``to=`` in ``export``."""

@@ -77,6 +77,7 @@ class DSpark(Drafter):
     methods = {"dspark": (ARCHITECTURE, SPECULATORS_ARCHITECTURE)}
     layouts = LAYOUTS
     head_class = DSparkDrafter
+    cpu_serving = False  # vLLM's V1 runner (the CPU build) refuses "dspark"
     options: DSparkOptions
 
     def check_options(self) -> None:
