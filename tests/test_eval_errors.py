@@ -86,9 +86,11 @@ def test_k_out_of_range(capsys, tiny_model_dir, prompts, ks):
 def test_time_limit_skips_baselines_that_would_overrun(
     monkeypatch, tiny_model_dir, tiny_eagle3_head, prompts, tmp_path
 ):
-    """Each (stand-in) engine takes 0.3 s: with 0.5 s allowed, no speculation, the head and
-    ngram run (never skipped), suffix would end past the limit and is skipped. Its time is
-    predicted from the engines without a draft model: a slow head does not skip it."""
+    """Suffix decoding runs first among the speculative engines, right after no speculation:
+    a time limit skips it only when even then it would end past the limit (each stand-in
+    engine takes 0.3 s: with 0.5 s allowed, 0.3 used + 0.3 predicted). Its time is predicted
+    from the engines without a draft model: a slow head never skips it, since the head runs
+    after it. No speculation, the head and ngram are never skipped."""
     import importlib.util
     import time
 
@@ -118,12 +120,12 @@ def test_time_limit_skips_baselines_that_would_overrun(
     assert results["skipped"] == [{"method": "suffix", "k": 3, "reason": "time_limit"}]
     ran.clear()
     results, _ = evaluate(parse_config(EvalConfig, base, prog="eval"))
-    assert ran == ["none", "eagle3", "ngram", "suffix"] and results["skipped"] == []
-    ran.clear()  # 0.1 + 0.6 + 0.1 s used; suffix predicted 0.1 s (ngram's), not the head's 0.6
-    seconds.update(none=0.1, eagle3=0.6, ngram=0.1, suffix=0.1)
+    assert ran == ["none", "suffix", "eagle3", "ngram"] and results["skipped"] == []
+    ran.clear()  # a slow head (2 s) comes after suffix: 0.1 used + 0.1 predicted < 1.1
+    seconds.update(none=0.1, eagle3=2.0, ngram=0.1, suffix=0.1)
     results, _ = evaluate(parse_config(EvalConfig, [*base, "--time_limit=1.1"], prog="eval"))
-    assert ran == ["none", "eagle3", "ngram", "suffix"] and results["skipped"] == []
+    assert ran == ["none", "suffix", "eagle3", "ngram"] and results["skipped"] == []
     ran.clear()
-    seconds.update(ngram=0.4)  # 1.1 s used + 0.4 predicted > 1.3
+    seconds.update(none=0.7)  # 0.7 s used + 0.7 predicted > 1.3
     results, _ = evaluate(parse_config(EvalConfig, [*base, "--time_limit=1.3"], prog="eval"))
     assert ran == ["none", "eagle3", "ngram"] and results["skipped"][0]["method"] == "suffix"

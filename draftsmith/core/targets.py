@@ -272,10 +272,11 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
     """EAGLE-3 taps: low, mid and high layers plus the last layer for the teacher.
 
     ``[2, N//2, N-3, N]`` in vLLM's meaning (id k = residual stream after k decoder
-    layers, before the final norm; id N is the last layer's output before the norm).
+    layers, before the final norm; id N is the last layer's output before the norm), each
+    kept within ``[0, N]`` and listed once: a two-layer target taps ``[0, 1, 2]``.
     """
     n = num_hidden_layers
-    return sorted({2, n // 2, n - 3, n})
+    return sorted({min(2, n), n // 2, max(n - 3, 0), n})
 
 
 def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:

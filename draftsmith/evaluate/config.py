@@ -78,10 +78,11 @@ class EvalConfig:
     lossless: bool = True
     """Compare greedy outputs of every speculative method with no speculation, token for token."""
     time_limit: float | None = None
-    """Seconds the evaluation may take (the pipeline's time_budget sets it): suffix decoding,
-    when its engine would end past it (predicted as long as the slower of no speculation's
-    and ngram's engines, ``runs.predicted_s``), is skipped and
-    listed in results.json's ``skipped``. No speculation, the head and ngram always run."""
+    """Seconds the evaluation may take (the pipeline's time_budget sets it, and sizes the
+    prompts so that every engine fits): suffix decoding runs right after no speculation and
+    is skipped only when even then its engine would end past the limit (predicted as long as
+    no speculation's, ``runs.predicted_s``), listed in results.json's ``skipped``. No
+    speculation, the head and ngram always run."""
     train_data: str | None = None
     """The extracted dataset the head was trained on (the pipeline fills it in): eval refuses,
     before any engine starts, prompt sets with exact or near-duplicate prompts in it."""

@@ -85,18 +85,22 @@ def draft_sample_method_used(cfg: EvalConfig) -> str | None:
 def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
     """Every (method, k) engine this evaluation starts."""
     run_ks = [max(ks)] if cfg.derive_k else ks
-    # The heads first (named by the head's config when not given), then the free baselines.
-    names = [cfg.method or "head"] if cfg.head else []
+    # Suffix decoding first among the speculative engines: the strongest free baseline, the
+    # one a time limit may skip, so it is never the one left for last. Then the heads (named
+    # by the head's config when not given), then the other free baselines.
+    names = ["suffix"] if "suffix" in cfg.baselines else []
+    names += [cfg.method or "head"] if cfg.head else []
     if cfg.draft_model:
         names.append("draft_model")
-    names += [b for b in cfg.baselines if b != "none"]
+    names += [b for b in cfg.baselines if b not in ("none", "suffix")]
     methods = [Method("none")] if ("none" in cfg.baselines or cfg.lossless) else []
     return methods + [Method(name, k) for name in names for k in run_ks]
 
 
 def skippable_under_time_limit(method: Method) -> bool:
-    """What a time limit may drop: suffix decoding, the optional third baseline. No
-    speculation (the reference), the heads and ngram (the comparison that matters) stay."""
+    """What a time limit may drop: suffix decoding, and only when even its engine, run right
+    after no speculation's, would end past the limit. No speculation (the reference), the
+    heads and ngram stay."""
     return method.name == "suffix"
 
 

@@ -41,6 +41,10 @@ class ExtractConfig:
     layer_ids: list[int] | None = None
     """Layers to capture in vLLM's meaning (k = residual stream after k decoder layers, 0 =
     embeddings, N = last layer before the final norm); null = [2, N//2, N-3, N]."""
+    kind: str | None = None
+    """The drafter kind the data is for (`train`'s `model.kind`, e.g. dspark or mtp): a
+    target that kind cannot train for is refused before any engine starts. Null: no check
+    (the dataset serves any kind)."""
     regenerate: bool = False
     """Replace assistant turns with the target's own replies, written in the capturing pass.
     Conversations with tool calls keep their replies (the tools cannot be run here)."""

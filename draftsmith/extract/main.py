@@ -55,6 +55,12 @@ def check_config(cfg: ExtractConfig) -> None:
                 f"{name}: {value} is out of range; give a number >= {low}"
                 + (" (or null for no limit)." if name in ("limit", "time_limit") else ".")
             )
+    if cfg.kind is not None:
+        from draftsmith import drafters
+
+        if cfg.kind not in drafters.names():
+            raise ConfigError(f"kind: {cfg.kind!r} is not a drafter kind; use one of "
+                              f"{drafters.names()} or null")  # fmt: skip
     if cfg.max_length < 2:
         raise ConfigError(f"max_length: {cfg.max_length}; give at least 2.")
     check_temperature("temperature", cfg.temperature)
@@ -121,6 +127,14 @@ def _run(cfg: ExtractConfig, pulse) -> dict:
             f"model: {cfg.model!r} cannot be tapped for EAGLE-3: {refusal}; pick a target whose "
             "vLLM model implements SupportsEagle3."
         )
+    if cfg.kind is not None:  # before any engine: a kind that cannot use the data says so now
+        from draftsmith import drafters
+
+        try:
+            drafters.get(cfg.kind).check_target(target, {})
+        except ConfigError as err:
+            why = str(err).removeprefix(f"model.kind {cfg.kind}: ")
+            raise ConfigError(f"kind: {cfg.kind}: {why}") from None
     layer_ids = validate_layer_ids(
         cfg.layer_ids if cfg.layer_ids is not None else default_layer_ids(target.num_hidden_layers),
         target.num_hidden_layers,

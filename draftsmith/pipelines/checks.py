@@ -18,13 +18,13 @@ from draftsmith.core.targets import EMBEDDED, read_target, validate_layer_ids
 from draftsmith.pipelines.config import PipelineConfig, PipelineError
 
 
-def check_against_target(cfg: PipelineConfig) -> list[str]:
+def check_against_target(cfg: PipelineConfig, offline: bool = True) -> list[str]:
     """Lines saying what was checked; raises :class:`PipelineError` on the first problem.
 
-    A hub id is reported as unchecked, not fetched: a dry run reaches no network, and the
-    run itself reads the target's config before any engine starts."""
+    ``offline`` (a dry run): a hub id is reported as unchecked, not fetched; the run itself
+    (``offline=False``) reads the target's config before any engine starts."""
     local = Path(cfg.model).expanduser().exists() or cfg.model.lower() in EMBEDDED
-    if not local:  # a hub id: a dry run reaches no network; the run reads its config
+    if offline and not local:  # a hub id: a dry run reaches no network
         return [f"target   unchecked: {cfg.model} is a hub id (the run checks its config.json)"]
     target = read_target(cfg.model)
     if not cfg.data and (refusal := target.eagle3_refusal):

@@ -136,8 +136,12 @@ def _quiet_lightning():
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
     """Run (or resume) the pipeline; return the state written to pipeline.json."""
+    from draftsmith.pipelines.checks import check_against_target
+
     plan = Plan(cfg)
     out = check_output(cfg.output, "output", PIPELINE_OWN, overwrite=cfg.overwrite)
+    for line in check_against_target(cfg, offline=False):  # a kind the target cannot use
+        say("pipeline: " + " ".join(line.split()))  # ...and says so before any engine starts
     last = STAGES.index(cfg.stop_after)
     configs: dict[str, Any] = {}  # each stage's config, parsed once
     for stage in ("extract", "export", "eval"):  # bad options fail before hours of work
@@ -285,11 +289,9 @@ def _cut_evaluation(plan: Plan, section: Any, left: float, state: dict[str, Any]
         say(f"pipeline: time_budget: {left:.0f} s left; {accounting['eval_engines']} engines "
             f"at {section.max_tokens} tokens per reply: about {predicted:.0f} s")  # fmt: skip
         return
-    optional = accounting["eval_engines_optional"]
-    rest = ", suffix only if time is left" if optional else ""
     say(f"pipeline: time_budget: {left:.0f} s left; {accounting['eval_engines']} engines on "
         f"{sum(counts)} prompts would take about {predicted:.0f} s: {limit} prompts per set, "
-        f"replies kept at {section.max_tokens} tokens{rest}")  # fmt: skip
+        f"replies kept at {section.max_tokens} tokens")  # fmt: skip
 
 
 def prompt_counts(section: Any) -> list[int]:

@@ -258,8 +258,8 @@ def eval_prompts(
     run's extraction seconds per sample (:func:`shard_seconds_per_sample`, scaled by
     ``eval.max_tokens / extract_tokens``), once per temperature of ``eval.temperatures``.
     When every engine fits ``left_s``, nothing
-    changes. Otherwise each set is cut to the prompts with which the engines a time limit
-    cannot skip fit (suffix then runs only if time is left), never below
+    changes. Otherwise each set is cut to the prompts with which every engine fits, suffix
+    decoding's included (the baseline a user most needs to see), never below
     EVAL_MIN_PROMPTS. None: keep every prompt."""
     if not (per_sample_s and cfg.eval_engine_cost and prompts_per_set):
         return None, {}
@@ -270,11 +270,10 @@ def eval_prompts(
     per_prompt = cfg.eval_engine_cost * per_sample_s * len(section.temperatures)
     asked = max(prompts_per_set)
     predicted = engines * (cfg.eval_engine_start_s + per_prompt * sum(prompts_per_set))
-    required = engines - optional
     if predicted <= left_s:
         fits = asked
     else:
-        budget = left_s / required - cfg.eval_engine_start_s  # decoding seconds per engine
+        budget = left_s / engines - cfg.eval_engine_start_s  # decoding seconds per engine
         fits = int(budget / (per_prompt * len(prompts_per_set)))
     limit = min(asked, max(fits, EVAL_MIN_PROMPTS))
     accounting = {

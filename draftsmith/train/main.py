@@ -48,6 +48,10 @@ from draftsmith.train.strategies import GPU_ONLY, cpu_strategy, runs_on_cpu
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed")
 
 
+# ``ckpt_path`` values Lightning resolves itself rather than reading as a path.
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+
+
 def wandb_has_key() -> bool:
     netrc = Path.home() / ".netrc"
     return bool(os.environ.get("WANDB_API_KEY")) or (
@@ -91,8 +95,16 @@ class TrainCLI(LightningCLI):
         applies it and says so)."""
         subcommand = self.config.get("subcommand")
         ckpt_path = subcommand and self.config[subcommand].get("ckpt_path")
-        if not ckpt_path or not Path(ckpt_path).is_file():
-            return  # "last" or a sharded directory: on_load_checkpoint checks them
+        if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+            return  # "last" / "best": Lightning finds them, on_load_checkpoint checks them
+        if not Path(ckpt_path).exists():
+            raise ConfigError(
+                f"ckpt_path: {ckpt_path} does not exist; give a checkpoint file (a run's "
+                "checkpoints/last.ckpt or best.ckpt), a sharded checkpoint directory, or "
+                "'last' to resume this run's own last checkpoint"
+            )
+        if not Path(ckpt_path).is_file():
+            return  # a sharded directory: on_load_checkpoint checks it
         ckpt = load_file(Path(ckpt_path))
         saved = dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {}
         model = self.config[subcommand].get("model")
