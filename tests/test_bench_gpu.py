@@ -9,10 +9,12 @@ import json
 
 import pytest
 
+from draftsmith.bench import gpu as bench_gpu
+from draftsmith.bench import speculators as bench_speculators
+from draftsmith.bench import train as bench
+from draftsmith.bench.flops import StepFlops, peak_tflops
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.fused_loss import triton_missing
-from draftsmith.train import bench, bench_gpu, bench_speculators
-from draftsmith.train.flops import StepFlops, peak_tflops
 
 CPU_AUTO = {"fused_loss": False, "attention": "blockwise", "compile": False}
 
@@ -284,7 +286,7 @@ def test_profile_summary_of_gpu_kernels_by_name():
 
     from torch.autograd import DeviceType
 
-    from draftsmith.train.bench_profile import summarize
+    from draftsmith.bench.profile import summarize
 
     def kernel(name, us):
         return SimpleNamespace(key=name, device_type=DeviceType.CUDA, self_device_time_total=us,

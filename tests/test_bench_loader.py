@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from draftsmith.bench.loader import main, sample_lengths
 from draftsmith.dataset.shards import bytes_per_token
-from draftsmith.train.bench_loader import main, sample_lengths
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -80,7 +80,7 @@ def test_bench_loader_rejects_samples_longer_than_rows(tmp_path, capsys):
 def test_bench_train_with_data_times_the_loaders_own_batches(tmp_path):
     """``bench-train --data``: every timed step trains the next batch the training loader
     gives (shard order, in a worker), and the real tokens it reports are those batches'."""
-    from draftsmith.train.bench import BenchTrainConfig, run
+    from draftsmith.bench.train import BenchTrainConfig, run
     from draftsmith.train.data import StatesDataModule
 
     target = tmp_path / "tiny"

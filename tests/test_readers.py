@@ -425,7 +425,7 @@ ALLOWED = {
     ("core/config.py", "yaml.safe_load"): "a command-line value, not a file",
     ("core/targets.py", "from_pretrained"): "the GGUF a Python package ships, converted once",
     ("extract/verify.py", "from_pretrained"): "transformers' own forward, the check's reference",
-    ("extract/bench.py", "from_pretrained"): "transformers' forward, the benchmark's baseline",
+    ("bench/extract.py", "from_pretrained"): "transformers' forward, the benchmark's baseline",
     ("train/checkpoints.py", "load_file"): "its own wrapper of readers.read_torch",
     ("train/main.py", "load_file"): "checkpoints.load_file: readers.read_torch",
     ("evaluate/expected.py", "from_pretrained"): "the target's forward: expected acceptance",

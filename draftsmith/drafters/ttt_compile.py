@@ -7,7 +7,7 @@ measured ``ttt_steps``; a tie goes to the smaller), never on CPU (the eager path
 and never under several processes (DDP, FSDP, DeepSpeed: not measured; ``on`` forces it).
 ``model.attention: auto`` is flex where the unroll is compiled on CUDA, the efficient SDPA
 path on CUDA otherwise and blockwise on CPU (``resolve_attention``). ``python -m
-draftsmith.train.bench_attention`` and ``make bench-gpu`` re-measure both on a GPU.
+draftsmith.bench.attention`` and ``make bench-gpu`` re-measure both on a GPU.
 """
 
 from __future__ import annotations

@@ -58,15 +58,15 @@ COMMANDS = {
     "study": Command(
         "draftsmith.pipelines.study", "vary one knob at a time, measure each head in vLLM"
     ),
-    "bench-train": Command("draftsmith.train.bench", "time training steps of a head (tokens/s)"),
+    "bench-train": Command("draftsmith.bench.train", "time training steps of a head (tokens/s)"),
     "bench-extract": Command(
-        "draftsmith.extract.bench", "time extraction against plain generation and HF"
+        "draftsmith.bench.extract", "time extraction against plain generation and HF"
     ),
     "bench-loader": Command(
-        "draftsmith.train.bench_loader", "time the training data path alone (tokens/s)"
+        "draftsmith.bench.loader", "time the training data path alone (tokens/s)"
     ),
     "bench-gpu": Command(
-        "draftsmith.train.bench_gpu",
+        "draftsmith.bench.gpu",
         "the device benchmark: bench-train rows, profiles, speculators, the loader",
     ),
 }

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.bench.train import Prepared
 from draftsmith.core.readers import read_json
-from draftsmith.train.bench import Prepared
 
 TESTED_VERSION = "0.9.0"
 ATTENTION = {"cuda": "simple_flex_attention", "cpu": "sdpa"}

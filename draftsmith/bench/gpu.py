@@ -37,19 +37,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.core.config import parse_config, to_dict
-from draftsmith.core.errors import ConfigError, exit_code
-from draftsmith.core.files import write_json_atomic
-from draftsmith.core.outputs import check_output
-from draftsmith.train import bench_speculators
-from draftsmith.train.bench import (
-    BenchTrainConfig,
-    Prepared,
-    prepare,
-    resolve_levers,
-    time_steps,
-)
-from draftsmith.train.bench_gpu_config import (
+from draftsmith.bench import speculators as bench_speculators
+from draftsmith.bench.flops import StepFlops, peak_tflops
+from draftsmith.bench.gpu_config import (
     COMPILE_ON_CPU,
     LEVER_OPTIONS,
     LEVERS,
@@ -58,9 +48,19 @@ from draftsmith.train.bench_gpu_config import (
     Options,
     check_config,
 )
-from draftsmith.train.bench_gpu_report import markdown
-from draftsmith.train.bench_profile import profile_steps
-from draftsmith.train.flops import StepFlops, peak_tflops
+from draftsmith.bench.gpu_report import markdown
+from draftsmith.bench.profile import profile_steps
+from draftsmith.bench.train import (
+    BenchTrainConfig,
+    Prepared,
+    prepare,
+    resolve_levers,
+    time_steps,
+)
+from draftsmith.core.config import parse_config, to_dict
+from draftsmith.core.errors import ConfigError, exit_code
+from draftsmith.core.files import write_json_atomic
+from draftsmith.core.outputs import check_output
 
 
 def output_dir(cfg: BenchGpuConfig) -> Path:
@@ -240,8 +240,8 @@ def speculators_missing() -> str | None:
 
 def loader_rows(cfg: BenchGpuConfig) -> dict:
     """bench-loader's passes in shard order at the loader target's shape."""
-    from draftsmith.train.bench_loader import BenchLoaderConfig
-    from draftsmith.train.bench_loader import run as run_loader
+    from draftsmith.bench.loader import BenchLoaderConfig
+    from draftsmith.bench.loader import run as run_loader
 
     lcfg = BenchLoaderConfig(
         model=cfg.loader_target or cfg.targets[0], tokens=cfg.loader_tokens,

@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from draftsmith.bench.flops import peak_tflops
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import check_output, json_from
@@ -50,7 +51,6 @@ from draftsmith.drafters.ttt_compile import (
     resolve_attention,
     use_compile,
 )
-from draftsmith.train.flops import peak_tflops
 
 
 @dataclass

@@ -7,7 +7,7 @@ builds for the target, on one packed row of random states with the target's shap
 reports tokens/s, peak memory and the compiled step's gain over the eager one: the numbers
 ``drafters/ttt_compile.py``'s ``COMPILE_GAIN`` table holds (paste ``compile_gain``).
 
-    python -m draftsmith.train.bench_attention --model configs/targets/llama3.1-8b \\
+    python -m draftsmith.bench.attention --model configs/targets/llama3.1-8b \\
         --random_weights true --ttt_steps [3,7] --attention [efficient,flex]
 """
 

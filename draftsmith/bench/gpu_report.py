@@ -169,7 +169,7 @@ def markdown(result: dict) -> str:
         f"attention {cfg['attention']}, compile {cfg.get('compile', '-')}), the levers "
         f"column says what they resolved to. {peak_line}; 6NT = 6 x "
         "trainable params x TTT per token, hw adds the frozen lm_head's forward and input "
-        "gradient and the teacher's logits (draftsmith/train/flops.py).",
+        "gradient and the teacher's logits (draftsmith/bench/flops.py).",
         "",
         "## Training",
         "",
