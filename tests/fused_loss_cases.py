@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 assert os.environ.get("TRITON_INTERPRET") == "1", "run by tests/test_fused_loss.py"
 
 from draftsmith.drafters.dflash.blocks import block_loss  # noqa: E402
-from draftsmith.drafters.fused_kernels import fused_rows  # noqa: E402
-from draftsmith.drafters.fused_loss import FusedDraftLoss, LogitTeacher  # noqa: E402
-from draftsmith.drafters.loss import (  # noqa: E402
+from draftsmith.drafters.losses.fused_kernels import fused_rows  # noqa: E402
+from draftsmith.drafters.losses.fused_loss import FusedDraftLoss, LogitTeacher  # noqa: E402
+from draftsmith.drafters.losses.loss import (  # noqa: E402
     ChunkedDraftLoss,
     Teacher,
     chunk_objective,

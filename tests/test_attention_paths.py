@@ -19,24 +19,24 @@ import torch.nn.attention.flex_attention as torch_flex
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.eagle1.head import Eagle1Head
-from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.layers import Attention, RotaryEmbedding
-from draftsmith.drafters.options import TTTOptions, field_docs
-from draftsmith.drafters.ttt import (
+from draftsmith.drafters.attention.layers import Attention, RotaryEmbedding
+from draftsmith.drafters.attention.ttt import (
     dense_step_attention,
     document_causal_mask,
     efficient_step_attention,
+    resolve_attention,
     ttt_unroll,
 )
-from draftsmith.drafters.ttt_compile import (
+from draftsmith.drafters.attention.ttt_compile import (
     COMPILE_GAIN,
     compile_wins,
     compiled_unroll,
-    resolve_attention,
     use_compile,
 )
-from draftsmith.drafters.ttt_flex import flex_step_attention, ttt_block_mask
+from draftsmith.drafters.attention.ttt_flex import flex_step_attention, ttt_block_mask
+from draftsmith.drafters.eagle1.head import Eagle1Head
+from draftsmith.drafters.eagle3.head import Eagle3Head
+from draftsmith.drafters.protocol.options import TTTOptions, field_docs
 
 H, V = 64, 300
 DIMS = dict(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128)

@@ -14,7 +14,7 @@ from draftsmith.bench import speculators as bench_speculators
 from draftsmith.bench import train as bench
 from draftsmith.bench.flops import StepFlops, peak_tflops
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.fused_loss import triton_missing
+from draftsmith.drafters.losses.fused_loss import triton_missing
 
 CPU_AUTO = {"fused_loss": False, "attention": "blockwise", "compile": False}
 

@@ -16,8 +16,8 @@ from draftsmith.drafters.eagle1.layouts import eagle1_layout, read_eagle1
 from draftsmith.drafters.eagle1.layouts_write import write_eagle1
 from draftsmith.drafters.eagle3.layouts import detect_layout, read_head
 from draftsmith.drafters.eagle3.layouts_write import write_head
-from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.headread import HeadFacts, read_head_files
+from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.headfiles.read import HeadFacts, read_head_files
 
 DRAFT_VOCAB = 64
 LAYER = [
@@ -167,7 +167,7 @@ def test_modelopt_without_lm_head_takes_target_rows(tmp_path, tiny_model_dir):
     assert code == 0
     back, facts = read_head(tmp_path / "v")
     from draftsmith.core.targets import read_target
-    from draftsmith.drafters.target_weights import load_target_weights
+    from draftsmith.drafters.target.weights import load_target_weights
 
     rows = load_target_weights(read_target(str(tiny_model_dir))).lm_head
     ids = head.draft_to_target(torch.arange(DRAFT_VOCAB))
@@ -262,7 +262,7 @@ def test_vllm_ascend_limits(tmp_path, tiny_model_dir, capsys):
 def test_shipped_embeddings_checked_against_target(tmp_path, tiny_model_dir, capsys):
     """SpecForge heads may ship embed_tokens: dropped when they are the target's, else refused."""
     from draftsmith.core.targets import read_target
-    from draftsmith.drafters.target_weights import load_target_weights
+    from draftsmith.drafters.target.weights import load_target_weights
 
     head, config = random_head(tiny_model_dir)
     embed = load_target_weights(read_target(str(tiny_model_dir))).embed
@@ -407,7 +407,7 @@ def published_safeailab_head(tmp_path, model_dir, **config_extra):
     """A head as SafeAILab publishes EAGLE-1: pytorch_model.bin with fc.bias, a copy of the
     target's embed_tokens and a rotary buffer; a config without `bias` (true)."""
     from draftsmith.core.targets import read_target
-    from draftsmith.drafters.target_weights import load_target_weights
+    from draftsmith.drafters.target.weights import load_target_weights
 
     head, config = random_eagle1(model_dir, num_layers=1, fc_bias=True)
     head.set_embeddings(load_target_weights(read_target(str(model_dir))).embed)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import fit_then_validate
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.block_layout import block_mask
+from draftsmith.drafters.attention.block_layout import block_mask
 from draftsmith.drafters.dspark import DSpark, check_target
 from draftsmith.drafters.dspark.blocks import position_weights, slot_targets
 from draftsmith.drafters.dspark.export import dspark_config, dspark_tensors
@@ -346,7 +346,7 @@ def test_speculators_export_names_and_round_trip(tmp_path, qwen3_target):
 
     from draftsmith.core.targets import read_target
     from draftsmith.drafters.dspark.speculators import read_speculators
-    from draftsmith.drafters.headfiles import HeadError
+    from draftsmith.drafters.headfiles.directory import HeadError
 
     target = read_target(str(qwen3_target))
     head = random_head(target)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.fused_loss import fused_enabled, triton_missing
-from draftsmith.drafters.loss import ChunkedDraftLoss, Teacher, draft_loss, ttt_loss
-from draftsmith.drafters.options import HeadOptions, field_docs
+from draftsmith.drafters.losses.fused_loss import fused_enabled, triton_missing
+from draftsmith.drafters.losses.loss import ChunkedDraftLoss, Teacher, draft_loss, ttt_loss
+from draftsmith.drafters.protocol.options import HeadOptions, field_docs
 
 CASES = Path(__file__).parent / "fused_loss_cases.py"
 

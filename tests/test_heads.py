@@ -13,10 +13,10 @@ import torch
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters import from_target_config, head_config
+from draftsmith.drafters.attention.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
+from draftsmith.drafters.attention.ttt import ttt_unroll
 from draftsmith.drafters.eagle1.head import Eagle1Head
 from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.layers import RMSNorm, RotaryEmbedding, rope_inv_freq
-from draftsmith.drafters.ttt import ttt_unroll
 
 TARGET = {
     "architectures": ["LlamaForCausalLM"],

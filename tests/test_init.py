@@ -17,8 +17,8 @@ from draftsmith.core.targets import read_target
 from draftsmith.drafters import from_target_config
 from draftsmith.drafters.eagle1.head import Eagle1Head
 from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.target_init import init_from_target
-from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.target.init_layers import init_from_target
+from draftsmith.drafters.target.weights import load_target_weights
 
 H = 128  # the tiny target's hidden size (8 layers)
 COPIED = [

@@ -7,8 +7,13 @@ import pytest
 import torch
 from helpers import LargestTensor
 
-from draftsmith.drafters.acceptance import simulated_acceptance_length, step_validity
-from draftsmith.drafters.loss import chunk_objective, objective_weights, teacher_argmax, ttt_loss
+from draftsmith.drafters.losses.acceptance import simulated_acceptance_length, step_validity
+from draftsmith.drafters.losses.loss import (
+    chunk_objective,
+    objective_weights,
+    teacher_argmax,
+    ttt_loss,
+)
 
 B, T, H, HT, VD, K = 2, 32, 48, 40, 300, 3
 

@@ -100,7 +100,7 @@ def test_qwen3_next_is_fed_its_targets_one_plus_w_final_norm(mtp_targets):
 def test_qwen3_5_builds_qwen3_nexts_block_with_its_mlp():
     """Qwen3.5 (not served here: torchvision) shares Qwen3-Next's MTP block; vLLM picks the
     MLP by model type (``qwen3_5.py``: dense for ``qwen3_5_text``, sparse MoE for the MoE)."""
-    from draftsmith.drafters.layers import MLP
+    from draftsmith.drafters.attention.layers import MLP
     from draftsmith.drafters.mtp.qwen3_next import OffsetRMSNorm, Qwen3NextBlock, SparseMoE
 
     text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -184,7 +184,7 @@ def test_unroll_is_the_served_recursion(family):
     """Step 1 of stream t equals running the layer over step 0's inputs up to t plus one more
     token: x_{t+2}, the layer's own feedback at t, rope position t + 1 (vLLM's draft KV cache
     then holds step 0's keys up to t and its own)."""
-    from draftsmith.drafters.layers import sdpa_attend
+    from draftsmith.drafters.attention.layers import sdpa_attend
 
     layer = tiny_layer(family)
     t = 7
@@ -312,7 +312,7 @@ def vllm_mtp(family: str, target_dir: Path, head_dir: Path):
 def read_layer(target_dir: Path):
     from draftsmith.core.targets import read_target
     from draftsmith.drafters.mtp.export import load_target_mtp
-    from draftsmith.drafters.target_weights import load_target_weights
+    from draftsmith.drafters.target.weights import load_target_weights
 
     target = read_target(str(target_dir))
     head = MTP.head_from_target(target.config)
@@ -328,7 +328,7 @@ def assert_vllm_matches(family: str, target_dir: Path, head, head_dir: Path, wei
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    from draftsmith.drafters.layers import sdpa_attend
+    from draftsmith.drafters.attention.layers import sdpa_attend
 
     model, config = vllm_mtp(family, target_dir, head_dir)
     g = torch.Generator().manual_seed(0)

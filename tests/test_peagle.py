@@ -1,23 +1,17 @@
 """P-EAGLE (parallel-drafting EAGLE-3): the mask by hand, the one-pass forward against running
-each block alone as vLLM does, the export, and a tiny head trained here and served in vLLM
-with ``parallel_drafting`` (lossless, accepted, close to the simulation)."""
+each block alone as vLLM does, and the export. A tiny head trained and served in vLLM with
+``parallel_drafting`` through ``draftsmith pipeline``: ``test_kinds.py``."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import fit_then_validate, serve_head
 
 from draftsmith.drafters import head_config, head_tensors
+from draftsmith.drafters.attention.layers import sdpa_attend
+from draftsmith.drafters.attention.ttt import shift_tokens
 from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.eagle3.parallel import parallel_forward, parallel_mask, parallel_targets
-from draftsmith.drafters.layers import sdpa_attend
-from draftsmith.drafters.ttt import shift_tokens
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def two_docs():
@@ -109,31 +103,3 @@ def test_parallel_drafting_needs_eagle3():
         DraftModule(kind="dflash", parallel_drafting=True)
     with pytest.raises(ConfigError, match="model.loss_vocab_size"):  # DFlash's option only
         DraftModule(kind="eagle3", loss_vocab_size=1024)
-
-
-@pytest.mark.vllm
-def test_tiny_peagle_trains_exports_and_serves_as_simulated(
-    tmp_path, make_tiny_llama, make_hf_dataset
-):
-    """A P-EAGLE head on a peaked tiny target: trained, validated (the served walk), exported,
-    served by vLLM with parallel drafting: lossless, accepted, as simulated."""
-    import yaml
-
-    from draftsmith.cli import main as cli_main
-
-    target = make_tiny_llama(tmp_path / "peaked", seed=1, norm_scale=8.0)
-    prompts = [f"Write a short note about topic number {i}." for i in range(16)]
-    data = make_hf_dataset(tmp_path / "data", target, prompts, max_new_tokens=48)
-    section = yaml.safe_load((ROOT / "configs" / "train" / "tiny.yaml").read_text())
-    section["trainer"].update(max_epochs=20, logger=False, enable_progress_bar=False)
-    section["model"].update(ttt_steps=3, parallel_drafting=True, num_anchors=64, lr=3e-3)
-    section["data"].update(data=str(data), val_fraction=0)
-    ckpt, simulated = fit_then_validate(section, tmp_path)
-
-    head = tmp_path / "head"
-    assert cli_main(["export", f"--checkpoint={ckpt}", f"--output={head}", "--dtype=float32"]) == 0
-    assert json.loads((head / "config.json").read_text())["speculators_model_type"] == "peagle"
-    run = serve_head(target, head, prompts, tmp_path, "peagle")  # method from the head
-    served = run["acceptance_length"]
-    print(f"peagle: simulated {simulated:.4f}, served {served:.4f}, counters {run['counters']}")
-    assert abs(served - simulated) <= 0.05 * served, (served, simulated)

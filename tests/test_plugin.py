@@ -20,12 +20,12 @@ from torch import Tensor, nn
 
 from draftsmith import drafters
 from draftsmith.core.files import write_json_atomic
-from draftsmith.drafters.acceptance import step_validity
-from draftsmith.drafters.headfiles import HeadError, write_head_dir
-from draftsmith.drafters.loss import loss_record
-from draftsmith.drafters.options import HeadOptions
+from draftsmith.drafters.headfiles.directory import HeadError, write_head_dir
+from draftsmith.drafters.losses.acceptance import step_validity
+from draftsmith.drafters.losses.loss import loss_record
+from draftsmith.drafters.losses.walk import served_walk
 from draftsmith.drafters.protocol import Built, Drafter
-from draftsmith.drafters.walk import served_walk
+from draftsmith.drafters.protocol.options import HeadOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -309,7 +309,7 @@ def case_target_config(tmp, fx):
 
 def case_target_weights(tmp, fx):
     from draftsmith.core.targets import read_target
-    from draftsmith.drafters.target_weights import load_target_weights
+    from draftsmith.drafters.target.weights import load_target_weights
 
     target = _target(tmp, fx)
     return Case(target / "model.safetensors",

@@ -20,8 +20,8 @@ import torch
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters import from_target_config, head_config
-from draftsmith.drafters.layers import RotaryEmbedding
-from draftsmith.drafters.llama import target_rope
+from draftsmith.drafters.attention.layers import RotaryEmbedding
+from draftsmith.drafters.attention.llama import target_rope
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

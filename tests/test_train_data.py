@@ -16,9 +16,9 @@ from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.dataset.reader import DatasetError, open_dataset
 from draftsmith.dataset.shards import write_shard
-from draftsmith.drafters.acceptance import step_validity
-from draftsmith.drafters.ttt import document_causal_mask, shift_tokens
-from draftsmith.drafters.vocab import draft_vocab
+from draftsmith.drafters.attention.ttt import document_causal_mask, shift_tokens
+from draftsmith.drafters.losses.acceptance import step_validity
+from draftsmith.drafters.target.vocab import draft_vocab
 from draftsmith.train.data import StatesDataModule, token_counts
 from draftsmith.train.packing import (
     PAD_DOC_ID,

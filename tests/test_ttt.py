@@ -7,10 +7,8 @@ import torch
 import torch.nn.functional as F
 from helpers import LargestTensor
 
-from draftsmith.drafters.eagle1.head import Eagle1Head
-from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.layers import repeat_kv
-from draftsmith.drafters.ttt import (
+from draftsmith.drafters.attention.layers import repeat_kv
+from draftsmith.drafters.attention.ttt import (
     PrefixAttention,
     TTTAttention,
     document_causal_mask,
@@ -19,6 +17,8 @@ from draftsmith.drafters.ttt import (
     shift_tokens,
     ttt_unroll,
 )
+from draftsmith.drafters.eagle1.head import Eagle1Head
+from draftsmith.drafters.eagle3.head import Eagle3Head
 
 H, V, K = 64, 300, 4
 DIMS = dict(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from draftsmith.core.targets import read_target
 from draftsmith.drafters import export_head, from_target_config
-from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.target.weights import load_target_weights
 
 PAD = 64
 

@@ -5,7 +5,7 @@ For each ``ttt_steps`` setting, each attention path and compile off/on, times fu
 steps (TTT unroll, chunked loss, backward, AdamW) of the EAGLE-3 head ``draftsmith train``
 builds for the target, on one packed row of random states with the target's shapes, and
 reports tokens/s, peak memory and the compiled step's gain over the eager one: the numbers
-``drafters/ttt_compile.py``'s ``COMPILE_GAIN`` table holds (paste ``compile_gain``).
+``drafters/attention/ttt_compile.py``'s ``COMPILE_GAIN`` table holds (paste ``compile_gain``).
 
     python -m draftsmith.bench.attention --model configs/targets/llama3.1-8b \\
         --random_weights true --ttt_steps [3,7] --attention [efficient,flex]
@@ -25,10 +25,10 @@ from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.targets import read_target
 from draftsmith.drafters import from_target_config
-from draftsmith.drafters.loss import ttt_loss
-from draftsmith.drafters.target_weights import load_target_weights
-from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll
-from draftsmith.drafters.ttt_compile import compiled_unroll
+from draftsmith.drafters.attention.ttt import AttentionImpl, ttt_unroll
+from draftsmith.drafters.attention.ttt_compile import compiled_unroll
+from draftsmith.drafters.losses.loss import ttt_loss
+from draftsmith.drafters.target.weights import load_target_weights
 
 
 @dataclass

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.fused_loss import FusedMode
-from draftsmith.drafters.ttt import AttentionImpl
-from draftsmith.drafters.ttt_compile import CompileMode
+from draftsmith.drafters.attention.ttt import AttentionImpl
+from draftsmith.drafters.attention.ttt_compile import CompileMode
+from draftsmith.drafters.losses.fused_loss import FusedMode
 
 OWN = ("bench-gpu.json", "bench-gpu.md", "bench-gpu.log")
 

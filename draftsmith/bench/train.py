@@ -41,16 +41,11 @@ from draftsmith.core.errors import ConfigError, exit_code
 from draftsmith.core.outputs import check_output, json_from
 from draftsmith.core.targets import read_target
 from draftsmith.drafters import from_target_config
-from draftsmith.drafters.fused_loss import FusedMode, fused_enabled
-from draftsmith.drafters.loss import ttt_loss
-from draftsmith.drafters.target_weights import load_target_weights
-from draftsmith.drafters.ttt import AttentionImpl, ttt_unroll
-from draftsmith.drafters.ttt_compile import (
-    CompileMode,
-    compiled_unroll,
-    resolve_attention,
-    use_compile,
-)
+from draftsmith.drafters.attention.ttt import AttentionImpl, resolve_attention, ttt_unroll
+from draftsmith.drafters.attention.ttt_compile import CompileMode, compiled_unroll, use_compile
+from draftsmith.drafters.losses.fused_loss import FusedMode, fused_enabled
+from draftsmith.drafters.losses.loss import ttt_loss
+from draftsmith.drafters.target.weights import load_target_weights
 
 
 @dataclass
@@ -123,7 +118,7 @@ class Prepared:
 def resolve_levers(cfg: BenchTrainConfig, device: str) -> dict:
     """The speed levers ``cfg`` asks for, as a step on ``device`` runs them: ``fused_loss``
     and ``compile`` true or false, ``attention`` the path a training step picks
-    (``ttt_compile.resolve_attention``). A fused loss ``on`` where it cannot run is refused
+    (``ttt.resolve_attention``). A fused loss ``on`` where it cannot run is refused
     here (ConfigError), before the head is built."""
     dev = torch.device(device)
     compiled = use_compile(cfg.compile, cfg.ttt_steps, dev, world_size=1)

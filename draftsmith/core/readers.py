@@ -76,15 +76,27 @@ def _check_kind(kind: str) -> None:
         raise KeyError(f"file kind {kind!r} is not in draftsmith.core.readers.FILE_KINDS")
 
 
-def read_bytes(path: Path | str, kind: str, fix: str) -> bytes:
-    """The whole file; a missing, unreadable or empty one is refused in one line."""
+def check_file(path: Path | str, kind: str, fix: str) -> None:
+    """Refuse a missing, unreadable, empty file or a directory in one line, before it is read
+    here or opened by a library (safetensors, torch, tokenizers)."""
     _check_kind(kind)
     try:
-        raw = Path(path).read_bytes()
+        size = Path(path).stat().st_size
     except FileNotFoundError:
         raise _fail(path, kind, "no such file", fix) from None
-    except IsADirectoryError:
-        raise _fail(path, kind, "is a directory", fix) from None
+    except OSError as err:
+        raise _fail(path, kind, f"cannot be read ({err.strerror or err})", fix) from None
+    if Path(path).is_dir():
+        raise _fail(path, kind, "is a directory", fix)
+    if size == 0:
+        raise _fail(path, kind, "is empty", fix)
+
+
+def read_bytes(path: Path | str, kind: str, fix: str) -> bytes:
+    """The whole file (:func:`check_file`'s refusals; blank counts as empty)."""
+    check_file(path, kind, fix)
+    try:
+        raw = Path(path).read_bytes()
     except OSError as err:
         raise _fail(path, kind, f"cannot be read ({err.strerror or err})", fix) from None
     if not raw.strip():
@@ -177,7 +189,7 @@ def read_safetensors(path: Path | str, kind: str, fix: str) -> dict[str, Any]:
     """Every tensor of a safetensors file."""
     from safetensors.torch import load_file
 
-    read_bytes_head(path, kind, fix)
+    check_file(path, kind, fix)
     try:
         return load_file(str(path))
     except Exception as err:  # SafetensorError, OSError, a bad dtype: all one line
@@ -190,28 +202,13 @@ def open_safetensors(path: Path | str, kind: str, fix: str) -> Iterator[Any]:
     (safetensors checks that the data the header lists is all there)."""
     from safetensors import safe_open
 
-    read_bytes_head(path, kind, fix)
+    check_file(path, kind, fix)
     try:
         handle = safe_open(str(path), framework="pt")
     except Exception as err:
         raise _fail(path, kind, f"is not a whole safetensors file ({_problem(err)})", fix) from None
     with handle as f:
         yield f
-
-
-def read_bytes_head(path: Path | str, kind: str, fix: str) -> None:
-    """Refuse a missing, unreadable or empty file before a library opens it."""
-    _check_kind(kind)
-    try:
-        size = Path(path).stat().st_size
-    except FileNotFoundError:
-        raise _fail(path, kind, "no such file", fix) from None
-    except OSError as err:
-        raise _fail(path, kind, f"cannot be read ({err.strerror or err})", fix) from None
-    if Path(path).is_dir():
-        raise _fail(path, kind, "is a directory", fix)
-    if size == 0:
-        raise _fail(path, kind, "is empty", fix)
 
 
 def read_torch(path: Path | str, kind: str, fix: str, allow: tuple[type, ...] = ()) -> Any:
@@ -221,7 +218,7 @@ def read_torch(path: Path | str, kind: str, fix: str, allow: tuple[type, ...] = 
     unread: ``weights_only`` stops at the first such name, so nothing in it runs."""
     import torch
 
-    read_bytes_head(path, kind, fix)
+    check_file(path, kind, fix)
     try:
         with torch.serialization.safe_globals(list(allow)):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -264,7 +261,7 @@ def pickle_globals(path: Path | str, kind: str, fix: str) -> set[str]:
     which would run whatever the pickle names."""
     import zipfile
 
-    read_bytes_head(path, kind, fix)
+    check_file(path, kind, fix)
     if zipfile.is_zipfile(path):
         try:
             with zipfile.ZipFile(path) as z:

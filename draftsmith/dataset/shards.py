@@ -30,7 +30,7 @@ import torch
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import write_atomic
-from draftsmith.core.readers import check_shape, parse_json, read_bytes_head
+from draftsmith.core.readers import check_file, check_shape, parse_json
 
 SHARD_FIX = "delete it and its .json sidecar, then re-run the same `draftsmith extract` command"
 
@@ -267,7 +267,7 @@ class TensorSpec:
 
 def read_header(path: Path) -> tuple[dict[str, TensorSpec], dict[str, str]]:
     """Parse a safetensors header: ``({name: spec with absolute start}, __metadata__)``."""
-    read_bytes_head(path, "shard", SHARD_FIX)
+    check_file(path, "shard", SHARD_FIX)
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)

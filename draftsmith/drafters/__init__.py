@@ -6,12 +6,15 @@
     dspark/   DSpark (DFlash-style block + Markov head + confidence head)
     mtp/      the target's own MTP layer, fine-tuned (vLLM's method mtp)
 
-What kinds share lives once beside them: ``layers`` (norms, rope, attention), ``llama`` (the
-Llama-style head base), ``ttt`` and ``ttt_objective`` (training-time test), ``loss`` (the
-chunked loss), ``acceptance`` and ``walk`` (anchors, the served walk), ``vocab`` (draft
-vocabularies, mask tokens), ``target_weights`` / ``target_init`` (what heads take from the
-target), ``headfiles`` (exported directories), ``batch``, ``options`` and ``protocol``. No kind
-imports another.
+What kinds share lives once beside them, grouped by concern, each group a package:
+
+    protocol/   the contract: ``Drafter``, the training ``Batch``, shared option groups
+    attention/  the layers heads are built of, and training-time test (how a draft step attends)
+    losses/     the draft losses and their kernels, and what validation measures (the served walk)
+    headfiles/  head directories written and read, whatever the kind
+    target/     what heads take from the target: weights, a start from its layers, vocabularies
+
+A kind imports the groups, never another kind; a group imports no kind.
 
 A new kind is a folder with a :class:`~draftsmith.drafters.protocol.Drafter` subclass and one
 line at the end of this file (or ``register(MyKind)`` from outside the package, before the command
@@ -30,8 +33,8 @@ from draftsmith.drafters.dspark import DSpark
 from draftsmith.drafters.eagle1 import Eagle1
 from draftsmith.drafters.eagle3 import Eagle3
 from draftsmith.drafters.mtp import MTP
-from draftsmith.drafters.options import defaults, field_docs
 from draftsmith.drafters.protocol import Drafter
+from draftsmith.drafters.protocol.options import defaults, field_docs
 
 KINDS: dict[str, type[Drafter]] = {}
 

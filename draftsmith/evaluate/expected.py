@@ -159,7 +159,7 @@ class DraftReplica:
     @torch.no_grad()
     def logits_and_drafts(self, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """tokens [L] -> (target logits [L, V], the head's k-chain drafts [L, k] as target ids)."""
-        from draftsmith.drafters.ttt import ttt_unroll
+        from draftsmith.drafters.attention.ttt import ttt_unroll
 
         layers = self.model.model.layers
         captured = {}

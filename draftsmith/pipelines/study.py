@@ -31,7 +31,7 @@ from draftsmith.core.errors import DraftsmithError, exit_code
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.outputs import PIPELINE_OWN, check_output
 from draftsmith.core.readers import read_json
-from draftsmith.drafters.headread import read_head_config
+from draftsmith.drafters.headfiles.read import read_head_config
 from draftsmith.pipelines import curve
 from draftsmith.pipelines.config import (
     SECTIONS,

@@ -33,8 +33,8 @@ from draftsmith.drafters.eagle1.layouts_write import serve_command as eagle1_com
 from draftsmith.drafters.eagle1.layouts_write import write_eagle1
 from draftsmith.drafters.eagle3.layouts import fit_to_target, read_head
 from draftsmith.drafters.eagle3.layouts_write import serve_command, write_head
-from draftsmith.drafters.headfiles import CARD_MARK, HeadError
-from draftsmith.drafters.headread import HeadFacts, read_head_files
+from draftsmith.drafters.headfiles.directory import CARD_MARK, HeadError
+from draftsmith.drafters.headfiles.read import HeadFacts, read_head_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -1,7 +1,7 @@
 """Training data: the Lightning data module over a draftsmith dataset, for every drafter
 kind. Samples are packed into rows by ``packing.py``; the batch each row becomes
 (``input_ids``, ``aux_states``, ``teacher_states``, ``position_ids``, ``doc_ids``,
-``loss_mask``, each [B, T, ...]) is described in ``draftsmith.drafters.batch``."""
+``loss_mask``, each [B, T, ...]) is described in ``draftsmith.drafters.protocol.batch``."""
 
 from __future__ import annotations
 

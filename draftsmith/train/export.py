@@ -25,7 +25,7 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import exit_code
 from draftsmith.core.outputs import check_output, head_dir
 from draftsmith.core.targets import read_target
-from draftsmith.drafters.headread import read_head_config
+from draftsmith.drafters.headfiles.read import read_head_config
 from draftsmith.train.checkpoints import CheckpointError, head_from_checkpoint, read_checkpoint
 
 

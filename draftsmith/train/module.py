@@ -34,10 +34,10 @@ from draftsmith import drafters
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, read_target
-from draftsmith.drafters.acceptance import acceptance_from_counts
-from draftsmith.drafters.batch import PAD_DOC_ID
+from draftsmith.drafters.losses.acceptance import acceptance_from_counts
 from draftsmith.drafters.protocol import TrainingData
-from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.protocol.batch import PAD_DOC_ID
+from draftsmith.drafters.target.weights import load_target_weights
 from draftsmith.train.checkpoints import CHECKPOINT_KEY
 from draftsmith.train.data import StatesDataModule
 from draftsmith.train.resume import apply_changes, check_resume

@@ -1,7 +1,7 @@
 """Packing: samples of a draftsmith dataset as fixed-length rows, dealt to ranks, resumable.
 
 A row holds whole samples ("documents") back to back, ``row_tokens`` tokens in all, then
-padding. The batch each row becomes is described in ``draftsmith.drafters.batch``.
+padding. The batch each row becomes is described in ``draftsmith.drafters.protocol.batch``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.memory import keep_freed_memory
 from draftsmith.core.signals import ignore_first_sigterm
 from draftsmith.dataset import DatasetError, HiddenStatesDataset
-from draftsmith.drafters.batch import PAD_DOC_ID
+from draftsmith.drafters.protocol.batch import PAD_DOC_ID
 
 
 def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -> list[list[int]]:

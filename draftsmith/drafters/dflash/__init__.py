@@ -21,16 +21,16 @@ from torch import Tensor
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, eos_ids
-from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.dflash.export import export_dflash
 from draftsmith.drafters.dflash.model import DFlashDrafter, dflash_from_target
 from draftsmith.drafters.dflash.objective import dflash_loss, target_layer_ids
 from draftsmith.drafters.dflash.options import DFlashOptions
-from draftsmith.drafters.headfiles import check_block_taps
-from draftsmith.drafters.loss import TTTLoss
+from draftsmith.drafters.headfiles.directory import check_block_taps
+from draftsmith.drafters.losses.loss import TTTLoss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
-from draftsmith.drafters.target_weights import TargetWeights
-from draftsmith.drafters.vocab import choose_mask_token, draft_vocab
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.target.vocab import choose_mask_token, draft_vocab
+from draftsmith.drafters.target.weights import TargetWeights
 
 
 class DFlash(Drafter):

@@ -7,7 +7,7 @@ positions ``a .. a + B - 1``: slot 0 holds ``x_a``, slots 1..B-1 the mask token.
 output through the target's lm_head is the draft for the token at position ``a + i``;
 ``num_speculative_tokens`` = B - 1 drafts, verified greedily left to right.
 
-Training builds the same blocks inside packed rows (batch keys: ``drafters/batch.py``):
+Training builds the same blocks inside packed rows (batch keys: ``drafters/protocol/batch.py``):
 
 - Anchors: positions ``a`` whose token is a response token (``loss_mask``), with at least one
   token of context before it in its document and a response token after it. At most
@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.acceptance import chain_counts
-from draftsmith.drafters.fused_loss import FusedMode
-from draftsmith.drafters.loss import TTTLoss, draft_loss, loss_record
+from draftsmith.drafters.losses.acceptance import chain_counts
+from draftsmith.drafters.losses.fused_loss import FusedMode
+from draftsmith.drafters.losses.loss import TTTLoss, draft_loss, loss_record
 
 
 def default_gamma(block_size: int) -> float:

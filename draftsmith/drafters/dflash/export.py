@@ -29,7 +29,7 @@ from draftsmith.core.files import write_json_atomic
 from draftsmith.core.readers import check_shape, read_torch
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.dflash.model import DFlashDrafter
-from draftsmith.drafters.headfiles import (
+from draftsmith.drafters.headfiles.directory import (
     block_head_fields,
     card_text,
     section,

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.drafters.block_layers import BlockLayer
-from draftsmith.drafters.layers import RMSNorm, RotaryEmbedding
+from draftsmith.drafters.attention.block_layers import BlockLayer
+from draftsmith.drafters.attention.layers import RMSNorm, RotaryEmbedding
 
 
 class DFlashDrafter(nn.Module):
@@ -157,7 +157,7 @@ def dflash_from_target(target_config: dict[str, Any], **options: Any) -> DFlashD
     (``config.json``); ``options`` pass through (``target_layer_ids``, ``mask_token_id``,
     ``num_layers``, ``block_size``, ``train_mask_embedding``)."""
     from draftsmith.core.targets import text_config
-    from draftsmith.drafters.llama import target_sizes
+    from draftsmith.drafters.attention.llama import target_sizes
 
     cfg = text_config(target_config)
     if cfg.get("hidden_act", "silu") != "silu":

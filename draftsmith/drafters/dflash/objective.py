@@ -14,23 +14,23 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.errors import DatasetError
-from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.block_layout import anchor_candidates, block_inputs, block_mask
+from draftsmith.drafters.attention.block_layout import anchor_candidates, block_inputs, block_mask
 from draftsmith.drafters.dflash.blocks import (
     block_loss,
     default_gamma,
     slot_validity,
 )
 from draftsmith.drafters.dflash.options import DFlashOptions
-from draftsmith.drafters.loss import TTTLoss, merge_records
-from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.walk import (
+from draftsmith.drafters.losses.loss import TTTLoss, merge_records
+from draftsmith.drafters.losses.walk import (
     accepted_lengths,
     log_sampled,
     rejection_step,
     sample_anchors,
     served_walk,
 )
+from draftsmith.drafters.protocol import Trainee
+from draftsmith.drafters.protocol.batch import Batch
 
 
 def target_layer_ids(aux_layer_ids: list[int], num_hidden_layers: int) -> list[int]:

@@ -24,17 +24,17 @@ from torch import Tensor
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.dspark.export import ARCHITECTURE, LAYOUTS, export_dspark
 from draftsmith.drafters.dspark.model import DSparkDrafter, dspark_from_target
 from draftsmith.drafters.dspark.objective import dspark_loss
 from draftsmith.drafters.dspark.options import DSparkOptions
 from draftsmith.drafters.dspark.speculators import ARCHITECTURE as SPECULATORS_ARCHITECTURE
-from draftsmith.drafters.headfiles import check_block_taps
-from draftsmith.drafters.loss import TTTLoss
+from draftsmith.drafters.headfiles.directory import check_block_taps
+from draftsmith.drafters.losses.loss import TTTLoss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
-from draftsmith.drafters.target_weights import TargetWeights
-from draftsmith.drafters.vocab import choose_mask_token
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.target.vocab import choose_mask_token
+from draftsmith.drafters.target.weights import TargetWeights
 
 # Target architectures -> the vLLM DSpark class this kind exports for them.
 SUPPORTED = {"Qwen3ForCausalLM": ARCHITECTURE, "Qwen3MoeForCausalLM": ARCHITECTURE}

@@ -6,7 +6,7 @@ is the target's states of every token before ``a``; its query is one block of B 
 positions ``a .. a + B - 1``: slot 0 holds ``x_a``, slots 1..B-1 the mask token. Slot ``i``
 predicts the token at ``a + i + 1`` (B drafts).
 
-Inside packed rows (``drafters/batch.py``):
+Inside packed rows (``drafters/protocol/batch.py``):
 
 - Anchors: response tokens with a token of context before them in their document and a
   response token after them (the first draft has a target). Random ``num_anchors`` per row

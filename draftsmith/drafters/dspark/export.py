@@ -38,14 +38,14 @@ from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.dspark.model import DSparkDrafter
 from draftsmith.drafters.dspark.speculators import speculators_config, speculators_tensors
-from draftsmith.drafters.headfiles import (
+from draftsmith.drafters.headfiles.directory import (
     block_head_fields,
     card_text,
     section,
     state_tensors,
     write_head_dir,
 )
-from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.target.weights import load_target_weights
 
 ARCHITECTURE = "Qwen3DSparkModel"
 LAYOUTS = ("vllm", "speculators")

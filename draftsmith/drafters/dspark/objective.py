@@ -29,18 +29,18 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.drafters.acceptance import chain_counts
-from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.block_layout import anchor_candidates, block_inputs, block_mask
+from draftsmith.drafters.attention.block_layout import anchor_candidates, block_inputs, block_mask
 from draftsmith.drafters.dspark.blocks import (
     position_weights,
     slot_targets,
 )
 from draftsmith.drafters.dspark.model import DSparkDrafter
 from draftsmith.drafters.dspark.options import DSparkOptions
-from draftsmith.drafters.loss import TTTLoss, loss_record, merge_records
+from draftsmith.drafters.losses.acceptance import chain_counts
+from draftsmith.drafters.losses.loss import TTTLoss, loss_record, merge_records
+from draftsmith.drafters.losses.walk import log_sampled, rejection_step, sample_anchors, served_walk
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.walk import log_sampled, rejection_step, sample_anchors, served_walk
+from draftsmith.drafters.protocol.batch import Batch
 
 
 def _chunk_terms(head: DSparkDrafter, lm_head: Tensor, h: Tensor, prev: Tensor, true: Tensor,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.drafters.options import BlockOptions, HeadOptions, exclusive
+from draftsmith.drafters.protocol.options import BlockOptions, HeadOptions, exclusive
 
 
 @dataclass

@@ -37,9 +37,9 @@ import torch
 from torch import Tensor
 
 from draftsmith.drafters.dspark.model import DSparkDrafter
-from draftsmith.drafters.headfiles import HeadError, block_head_fields, speculators_fields
-from draftsmith.drafters.headread import check_tensors, read_head_files
-from draftsmith.drafters.target_weights import TargetWeights
+from draftsmith.drafters.headfiles.directory import HeadError, block_head_fields, speculators_fields
+from draftsmith.drafters.headfiles.read import check_tensors, read_head_files
+from draftsmith.drafters.target.weights import TargetWeights
 
 ARCHITECTURE = "DSparkSpeculator"
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # the verifier's tables, copied

@@ -22,8 +22,6 @@ from torch import Tensor
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.acceptance import step_validity
-from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.eagle1.export import (
     check_eagle1_head,
     eagle1_config,
@@ -31,12 +29,14 @@ from draftsmith.drafters.eagle1.export import (
     export_eagle1,
 )
 from draftsmith.drafters.eagle1.head import Eagle1Head, eagle1_from_target
-from draftsmith.drafters.loss import TTTLoss
-from draftsmith.drafters.options import TTTOptions
+from draftsmith.drafters.losses.acceptance import step_validity
+from draftsmith.drafters.losses.loss import TTTLoss
+from draftsmith.drafters.losses.ttt_objective import unrolled_loss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
-from draftsmith.drafters.target_init import init_from_target
-from draftsmith.drafters.target_weights import TargetWeights
-from draftsmith.drafters.ttt_objective import unrolled_loss
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.protocol.options import TTTOptions
+from draftsmith.drafters.target.init_layers import init_from_target
+from draftsmith.drafters.target.weights import TargetWeights
 
 
 @dataclass

@@ -18,7 +18,7 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.eagle1.head import Eagle1Head
-from draftsmith.drafters.headfiles import (
+from draftsmith.drafters.headfiles.directory import (
     HeadError,
     llama_head_fields,
     speculators_card,

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from draftsmith.drafters.layers import AttendFn, DecoderLayer, sdpa_attend
-from draftsmith.drafters.llama import LlamaDraftHead, init_linears, target_sizes
+from draftsmith.drafters.attention.layers import AttendFn, DecoderLayer, sdpa_attend
+from draftsmith.drafters.attention.llama import LlamaDraftHead, init_linears, target_sizes
 
 
 class Eagle1Head(LlamaDraftHead):

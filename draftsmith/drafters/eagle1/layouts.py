@@ -26,10 +26,10 @@ from typing import Any
 from torch import Tensor
 
 from draftsmith.core.targets import TargetInfo
+from draftsmith.drafters.attention.llama import target_sizes
 from draftsmith.drafters.eagle1.head import Eagle1Head
-from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.headread import HeadFacts, check_shipped_embeddings, check_tensors
-from draftsmith.drafters.llama import target_sizes
+from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.headfiles.read import HeadFacts, check_shipped_embeddings, check_tensors
 
 LAYOUTS = ("draftsmith", "eagle", "sglang")
 ROTARY = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+from draftsmith.drafters.attention.layers import rope_kind
 from draftsmith.drafters.eagle1.export import eagle1_config, eagle1_tensors
 from draftsmith.drafters.eagle1.head import Eagle1Head
-from draftsmith.drafters.headfiles import (
+from draftsmith.drafters.headfiles.directory import (
     CARD_MARK,
     HeadError,
     llama_head_fields,
@@ -39,8 +40,7 @@ from draftsmith.drafters.headfiles import (
     vllm_serve_command,
     write_converted,
 )
-from draftsmith.drafters.headread import HeadFacts
-from draftsmith.drafters.layers import rope_kind
+from draftsmith.drafters.headfiles.read import HeadFacts
 
 CONSUMERS = ("vllm", "sglang", "eagle")
 NOT_WRITTEN = {  # consumer -> why convert writes no EAGLE-1 head for it

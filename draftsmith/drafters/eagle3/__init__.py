@@ -23,7 +23,6 @@ from torch import Tensor, nn
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids
-from draftsmith.drafters.batch import Batch
 from draftsmith.drafters.eagle3.export import (
     check_eagle3_head,
     eagle3_config,
@@ -33,13 +32,18 @@ from draftsmith.drafters.eagle3.export import (
 from draftsmith.drafters.eagle3.head import Eagle3Head, eagle3_from_target
 from draftsmith.drafters.eagle3.options import Eagle3Options
 from draftsmith.drafters.eagle3.parallel import parallel_drafting_loss
-from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.loss import TTTLoss
+from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.losses.loss import TTTLoss
+from draftsmith.drafters.losses.ttt_objective import unrolled_loss
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
-from draftsmith.drafters.target_init import init_from_target
-from draftsmith.drafters.target_weights import TargetWeights
-from draftsmith.drafters.ttt_objective import unrolled_loss
-from draftsmith.drafters.vocab import choose_mask_token, default_draft_vocab_size, draft_vocab
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.target.init_layers import init_from_target
+from draftsmith.drafters.target.vocab import (
+    choose_mask_token,
+    default_draft_vocab_size,
+    draft_vocab,
+)
+from draftsmith.drafters.target.weights import TargetWeights
 
 ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3Speculator")
 

@@ -33,7 +33,7 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo, text_config, validate_layer_ids
 from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.headfiles import (
+from draftsmith.drafters.headfiles.directory import (
     HeadError,
     llama_head_fields,
     speculators_card,

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.layers import AttendFn, DecoderLayer, RMSNorm, sdpa_attend
-from draftsmith.drafters.llama import LlamaDraftHead, init_linears, target_sizes
+from draftsmith.drafters.attention.layers import AttendFn, DecoderLayer, RMSNorm, sdpa_attend
+from draftsmith.drafters.attention.llama import LlamaDraftHead, init_linears, target_sizes
 
 
 class Eagle3Head(LlamaDraftHead):

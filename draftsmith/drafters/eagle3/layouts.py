@@ -30,16 +30,16 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.targets import TargetInfo, text_config
+from draftsmith.drafters.attention.llama import target_sizes
 from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.headread import (
+from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.headfiles.read import (
     HeadFacts,
     check_shipped_embeddings,
     check_tensors,
     read_head_files,
 )
-from draftsmith.drafters.llama import target_sizes
-from draftsmith.drafters.target_weights import load_target_weights
+from draftsmith.drafters.target.weights import load_target_weights
 
 LAYOUTS = ("draftsmith", "eagle", "speculators", "modelopt", "sglang")
 DROPPED = ("t2d",)

@@ -37,7 +37,7 @@ import torch
 from draftsmith.core.targets import text_config
 from draftsmith.drafters.eagle3.export import eagle3_config, eagle3_tensors
 from draftsmith.drafters.eagle3.head import Eagle3Head
-from draftsmith.drafters.headfiles import (
+from draftsmith.drafters.headfiles.directory import (
     CARD_MARK,
     HeadError,
     llama_head_fields,
@@ -46,7 +46,7 @@ from draftsmith.drafters.headfiles import (
     vllm_serve_command,
     write_converted,
 )
-from draftsmith.drafters.headread import HeadFacts
+from draftsmith.drafters.headfiles.read import HeadFacts
 
 CONSUMERS = ("vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators")
 ASCEND_MAX_TOKENS = 16  # num_speculative_tokens + 1 (the limit; not verified here)

@@ -12,9 +12,9 @@ token is at position ``a`` and whose bonus token is ``x_{a+1}``, one draft pass 
 Attention is causal: a mask slot sees the real slots up to ``a`` and the mask slots before
 it. All k drafts come from that one pass, so drafting costs one forward instead of k.
 
-Training builds the same thing inside packed rows (batch keys: ``drafters/batch.py``): every real
-slot of the row (draft 0 at every position, exactly EAGLE-3's first TTT step) plus, for up to
-``num_anchors`` random anchors per row, a block of ``k - 1`` mask slots appended after the
+Training builds the same thing inside packed rows (batch keys: ``drafters/protocol/batch.py``):
+every real slot of the row (draft 0 at every position, exactly EAGLE-3's first TTT step) plus,
+for up to ``num_anchors`` random anchors per row, a block of ``k - 1`` mask slots appended after the
 row. ``parallel_mask`` lets a block see its anchor's document up to the anchor and its own
 earlier slots, nothing else. Draft ``i``'s loss weighs ``loss_decay ** i``, as TTT's steps.
 
@@ -28,21 +28,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.acceptance import chain_counts, step_validity
-from draftsmith.drafters.batch import Batch
+from draftsmith.drafters.attention.layers import sdpa_attend
+from draftsmith.drafters.attention.ttt import document_causal_mask, shift_tokens
 from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.eagle3.options import Eagle3Options
-from draftsmith.drafters.layers import sdpa_attend
-from draftsmith.drafters.loss import (
+from draftsmith.drafters.losses.acceptance import chain_counts, step_validity
+from draftsmith.drafters.losses.loss import (
     TTTLoss,
     draft_loss,
     loss_record,
     merge_records,
     teacher_argmax,
 )
+from draftsmith.drafters.losses.walk import accepted_lengths, sample_anchors, served_walk
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.ttt import document_causal_mask, shift_tokens
-from draftsmith.drafters.walk import accepted_lengths, sample_anchors, served_walk
+from draftsmith.drafters.protocol.batch import Batch
 
 
 def parallel_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, num_masks: int) -> Tensor:

@@ -23,16 +23,16 @@ from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.loss import TTTLoss
+from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.losses.loss import TTTLoss
 from draftsmith.drafters.mtp.export import MARKER, export_mtp, load_target_mtp
 from draftsmith.drafters.mtp.families import FAMILIES, family_of
 from draftsmith.drafters.mtp.model import MTPLayer, mtp_from_target
 from draftsmith.drafters.mtp.objective import mtp_loss
 from draftsmith.drafters.mtp.options import MTPOptions
 from draftsmith.drafters.protocol import Built, Drafter, Trainee, TrainingData
-from draftsmith.drafters.target_weights import TargetWeights
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.target.weights import TargetWeights
 
 
 class MTP(Drafter):

@@ -35,10 +35,10 @@ from torch import Tensor
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo, text_config
-from draftsmith.drafters.headfiles import card_text, section, write_head_dir
+from draftsmith.drafters.headfiles.directory import card_text, section, write_head_dir
 from draftsmith.drafters.mtp.families import Family, family_of
 from draftsmith.drafters.mtp.model import MTPLayer
-from draftsmith.drafters.target_weights import read_tensor, target_dir, tensor_files
+from draftsmith.drafters.target.weights import read_tensor, target_dir, tensor_files
 
 MARKER = "draftsmith_mtp"
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.core.targets import text_config
-from draftsmith.drafters.layers import (
+from draftsmith.drafters.attention.layers import (
     MLP,
     AttendFn,
     DecoderLayer,
@@ -32,7 +32,7 @@ from draftsmith.drafters.layers import (
     RotaryEmbedding,
     mix_experts,
 )
-from draftsmith.drafters.llama import target_sizes
+from draftsmith.drafters.attention.llama import target_sizes
 from draftsmith.drafters.mtp.families import Family
 from draftsmith.drafters.mtp.qwen3_next import OffsetRMSNorm, Qwen3NextBlock, block_options
 

@@ -19,15 +19,15 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.acceptance import acceptance_from_counts
-from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.loss import TTTLoss, teacher_argmax, ttt_loss
+from draftsmith.drafters.attention.ttt import TTTAttention, document_causal_mask, shift_tokens
+from draftsmith.drafters.losses.acceptance import acceptance_from_counts
+from draftsmith.drafters.losses.loss import TTTLoss, teacher_argmax, ttt_loss
+from draftsmith.drafters.losses.walk import served_walk
 from draftsmith.drafters.mtp.families import FAMILIES
 from draftsmith.drafters.mtp.model import MTPLayer
 from draftsmith.drafters.mtp.options import MTPOptions
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.ttt import TTTAttention, document_causal_mask, shift_tokens
-from draftsmith.drafters.walk import served_walk
+from draftsmith.drafters.protocol.batch import Batch
 
 
 def step_weights(steps: int, decay: float | None) -> list[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.drafters.options import HeadOptions
+from draftsmith.drafters.protocol.options import HeadOptions
 
 
 @dataclass

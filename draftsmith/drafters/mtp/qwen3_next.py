@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.layers import MLP, AttendFn, RMSNorm, RotaryEmbedding, mix_experts
+from draftsmith.drafters.attention.layers import (
+    MLP,
+    AttendFn,
+    RMSNorm,
+    RotaryEmbedding,
+    mix_experts,
+)
 
 
 class OffsetRMSNorm(RMSNorm):

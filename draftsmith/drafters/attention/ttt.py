@@ -27,7 +27,7 @@ with k diagonal scores through their log-sum-exp; memory does not grow with k),
 blockwise pass that skips keys a query block cannot see; ``PrefixAttention``) and ``flex``
 (dense's keys and mask as a flex-attention block mask, one fused kernel; ``ttt_flex.py``,
 CUDA for training). ``auto`` picks blockwise on CPU; on CUDA, flex where the unroll is
-compiled and efficient otherwise (``ttt_compile.resolve_attention``).
+compiled and efficient otherwise (``resolve_attention``).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 
-from draftsmith.drafters.layers import repeat_kv
-from draftsmith.drafters.llama import LlamaDraftHead
-from draftsmith.drafters.ttt_flex import flex_step_attention, ttt_block_mask
+from draftsmith.drafters.attention.layers import repeat_kv
+from draftsmith.drafters.attention.llama import LlamaDraftHead
+from draftsmith.drafters.attention.ttt_flex import flex_step_attention, ttt_block_mask
 
 AttentionImpl = Literal["auto", "blockwise", "efficient", "dense", "flex"]
 
@@ -208,6 +208,20 @@ def dense_step_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def resolve_attention(attention: str, device: torch.device | str, compiled: bool) -> str:
+    """``model.attention`` as a step on ``device`` runs it, the one place ``auto`` is decided:
+    blockwise on CPU, flex on CUDA when the unroll is ``compiled`` and efficient (SDPA) on
+    CUDA otherwise; another value is kept. Measured by ``make bench-gpu`` (H200, 2026-11-27,
+    8cc20c2, frozen lm_head): fused loss + flex + compile ran 57,401 tok/s at TTT 3 and 28,417
+    at TTT 7, against 35,668 and 27,004 for fused + efficient (eager at 3, compiled at 7);
+    eager flex lost at TTT 3 (0.72x the efficient path); on CPU blockwise beat SDPA."""
+    if attention != "auto":
+        return attention
+    if torch.device(device).type == "cpu":
+        return "blockwise"
+    return "flex" if compiled else "efficient"
+
+
 class TTTAttention:
     """An ``AttendFn`` that keeps each layer's KV per draft step (the draft KV cache)."""
 
@@ -221,8 +235,7 @@ class TTTAttention:
             )
         if impl == "flex" and doc_ids is None:
             raise ValueError("attention 'flex' builds its block mask from doc_ids: give them")
-        if impl == "auto":  # measured: blockwise wins on CPU, SDPA kernels on GPU
-            impl = "blockwise" if prefix_mask.device.type == "cpu" else "efficient"
+        impl = resolve_attention(impl, prefix_mask.device, compiled=False)  # an eager caller
         self.prefix_mask = prefix_mask  # [B, 1, T, T]
         self.doc_ids = doc_ids  # [B, T]
         self.blockwise = impl == "blockwise"

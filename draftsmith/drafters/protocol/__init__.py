@@ -33,9 +33,9 @@ import torch
 from torch import Tensor, nn
 
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.loss import TTTLoss
-from draftsmith.drafters.target_weights import TargetWeights
+from draftsmith.drafters.losses.loss import TTTLoss
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.target.weights import TargetWeights
 
 
 class TrainingData(Protocol):

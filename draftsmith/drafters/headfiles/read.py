@@ -22,8 +22,8 @@ from torch import Tensor
 
 from draftsmith.core.readers import check_shape, read_json, read_safetensors, read_torch
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.headfiles import HeadError
-from draftsmith.drafters.target_weights import TargetWeights, load_target_weights
+from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.target.weights import TargetWeights, load_target_weights
 
 
 @dataclass

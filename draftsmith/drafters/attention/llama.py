@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.core.targets import text_config
-from draftsmith.drafters.layers import ROPE_KEYS, RotaryEmbedding, rope_kind
+from draftsmith.drafters.attention.layers import ROPE_KEYS, RotaryEmbedding, rope_kind
 
 
 def init_linears(module: nn.Module, std: float = 0.02) -> None:

@@ -1,4 +1,4 @@
-"""torch.compile of the TTT unroll (``model.compile``) and the attention path ``auto`` picks.
+"""torch.compile of the TTT unroll (``model.compile``): when it runs, and the compiled unroll.
 
 ``on`` compiles ``ttt.ttt_unroll`` (every draft step's forward, and through AOTAutograd its
 backward) wherever the states are; ``off`` runs it eagerly; ``auto`` compiles in a
@@ -6,7 +6,7 @@ single-process CUDA run where a measurement said compiling wins (``COMPILE_GAIN`
 measured ``ttt_steps``; a tie goes to the smaller), never on CPU (the eager path, unchanged)
 and never under several processes (DDP, FSDP, DeepSpeed: not measured; ``on`` forces it).
 ``model.attention: auto`` is flex where the unroll is compiled on CUDA, the efficient SDPA
-path on CUDA otherwise and blockwise on CPU (``resolve_attention``). ``python -m
+path on CUDA otherwise and blockwise on CPU (``ttt.resolve_attention``). ``python -m
 draftsmith.bench.attention`` and ``make bench-gpu`` re-measure both on a GPU.
 """
 
@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from draftsmith.drafters.ttt import ttt_unroll
+from draftsmith.drafters.attention.ttt import ttt_unroll
 
 CompileMode = Literal["auto", "on", "off"]
 
@@ -52,20 +52,6 @@ def use_compile(
             )
         return torch.device(device).type == "cuda" and world_size == 1 and compile_wins(ttt_steps)
     return mode == "on"
-
-
-def resolve_attention(attention: str, device: torch.device | str, compiled: bool) -> str:
-    """``model.attention`` as a step on ``device`` runs it: ``auto`` is blockwise on CPU, flex
-    on CUDA when the unroll is ``compiled`` and efficient (SDPA) on CUDA otherwise; another
-    value is kept. Measured by ``make bench-gpu`` (H200, 2026-11-27, 8cc20c2, frozen lm_head):
-    fused loss + flex + compile ran 57,401 tok/s at TTT 3 and 28,417 at TTT 7, against
-    35,668 and 27,004 for fused + efficient (eager at 3, compiled at 7); eager flex lost at
-    TTT 3 (0.72x the efficient path)."""
-    if attention != "auto":
-        return attention
-    if torch.device(device).type == "cpu":
-        return "blockwise"
-    return "flex" if compiled else "efficient"
 
 
 def compiled_unroll(backend: str = "inductor") -> Callable[..., list[torch.Tensor]]:

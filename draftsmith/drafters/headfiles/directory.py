@@ -28,7 +28,7 @@ from torch import nn
 
 from draftsmith.core.errors import ConfigError, DraftsmithError
 from draftsmith.core.targets import text_config
-from draftsmith.drafters.layers import rope_kind
+from draftsmith.drafters.attention.layers import rope_kind
 
 NEVER_EXPORTED = ("embed_tokens", "t2d")  # shared with / derived from the target
 CARD_MARK = "Converted by `draftsmith convert`"  # in the README.md of every head convert wrote

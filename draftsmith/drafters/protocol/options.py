@@ -14,8 +14,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.fused_loss import FusedMode
-from draftsmith.drafters.loss import LossKind, objective_weights
+from draftsmith.drafters.losses.fused_loss import FusedMode
+from draftsmith.drafters.losses.loss import LossKind, objective_weights
 
 
 def exclusive(default: Any) -> Any:
@@ -33,7 +33,7 @@ class HeadOptions:
     loss_chunk_size: int = 1024
     """Tokens per chunk of logits in the loss (bounds peak memory)."""
     fused_loss: FusedMode = "auto"
-    """The draft loss's GPU path (``drafters/fused_loss.py``): ``auto`` runs it when the
+    """The draft loss's GPU path (``drafters/losses/fused_loss.py``): ``auto`` runs it when the
     states are on CUDA and Triton imports (bf16 logits, online softmax in a Triton kernel
     pair, no fp32 [tokens, vocab] tensor), else the torch path; ``on`` requires it; ``off``
     always runs the torch path (CPU always does under ``auto``). DSpark's loss ignores it."""

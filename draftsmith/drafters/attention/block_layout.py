@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.batch import PAD_DOC_ID
+from draftsmith.drafters.protocol.batch import PAD_DOC_ID
 
 
 def anchor_candidates(loss_mask: Tensor, doc_ids: Tensor, position_ids: Tensor) -> Tensor:

@@ -14,14 +14,14 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from draftsmith.drafters.acceptance import acceptance_from_counts
-from draftsmith.drafters.batch import Batch
-from draftsmith.drafters.loss import TTTLoss, teacher_argmax, ttt_loss
-from draftsmith.drafters.options import TTTOptions
+from draftsmith.drafters.attention.ttt import resolve_attention, ttt_unroll
+from draftsmith.drafters.attention.ttt_compile import compiled_unroll, use_compile
+from draftsmith.drafters.losses.acceptance import acceptance_from_counts
+from draftsmith.drafters.losses.loss import TTTLoss, teacher_argmax, ttt_loss
+from draftsmith.drafters.losses.walk import served_walk
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.ttt import ttt_unroll
-from draftsmith.drafters.ttt_compile import compiled_unroll, resolve_attention, use_compile
-from draftsmith.drafters.walk import served_walk
+from draftsmith.drafters.protocol.batch import Batch
+from draftsmith.drafters.protocol.options import TTTOptions
 
 
 def unrolled_loss(

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from draftsmith.drafters.acceptance import acceptance_from_counts
+from draftsmith.drafters.losses.acceptance import acceptance_from_counts
 
 
 def sample_anchors(

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.drafters.layers import MLP, RMSNorm, RotaryEmbedding, repeat_kv
+from draftsmith.drafters.attention.layers import MLP, RMSNorm, RotaryEmbedding, repeat_kv
 
 
 class BlockAttention(nn.Module):

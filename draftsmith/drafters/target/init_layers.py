@@ -31,9 +31,9 @@ from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.layers import DecoderLayer
-from draftsmith.drafters.llama import LlamaDraftHead
-from draftsmith.drafters.target_weights import OFFSET_NORM_TYPES, load_target_layer
+from draftsmith.drafters.attention.layers import DecoderLayer
+from draftsmith.drafters.attention.llama import LlamaDraftHead
+from draftsmith.drafters.target.weights import OFFSET_NORM_TYPES, load_target_layer
 
 QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 SOURCE = {"hidden_norm.weight": "input_layernorm.weight"}  # draft key -> target layer key

@@ -37,15 +37,19 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.acceptance import acceptance_from_counts, chain_counts, step_validity
-from draftsmith.drafters.fused_loss import (
+from draftsmith.drafters.losses.acceptance import (
+    acceptance_from_counts,
+    chain_counts,
+    step_validity,
+)
+from draftsmith.drafters.losses.fused_loss import (
     FusedDraftLoss,
     FusedMode,
     LogitTeacher,
     compute_dtype,
     fused_enabled,
 )
-from draftsmith.drafters.grads_in_forward import GradsInForward
+from draftsmith.drafters.losses.grads_in_forward import GradsInForward
 
 LossKind = Literal["kl", "tv", "kl_tv"]
 

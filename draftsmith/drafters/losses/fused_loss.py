@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.core.errors import ConfigError
-from draftsmith.drafters.grads_in_forward import GradsInForward
+from draftsmith.drafters.losses.grads_in_forward import GradsInForward
 
 FusedMode = Literal["auto", "on", "off"]
 
@@ -145,7 +145,7 @@ class FusedDraftLoss(GradsInForward):
         need_grad: tuple[bool, bool],  # (states, weight): grads are computed in forward
         objective: tuple[float, float] = (1.0, 0.0),
     ) -> tuple[Tensor, Tensor, Tensor]:
-        from draftsmith.drafters.fused_kernels import fused_rows  # imports Triton
+        from draftsmith.drafters.losses.fused_kernels import fused_rows  # imports Triton
 
         dt = teacher.dtype
         # [V, H]: one cast per call, none when already dt or shared with the teacher (MTP,
