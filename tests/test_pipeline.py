@@ -9,13 +9,13 @@ import pytest
 import yaml
 
 from draftsmith.evaluate.config import EvalConfig
+from draftsmith.evaluate.runs import engine_count
 from draftsmith.pipelines.config import PipelineConfig, PipelineError, parse_pipeline
 from draftsmith.pipelines.main import main as pipeline_main
 from draftsmith.pipelines.stage_dirs import (
     EVAL_MIN_PROMPTS,
     TRAIN_STARTUP_S,
     Plan,
-    eval_engines,
     eval_prompts,
     shard_seconds_per_sample,
     train_time,
@@ -159,31 +159,31 @@ def test_time_budget_cuts_prompts_never_replies_when_the_hour_is_slow(tmp_path):
              "temperatures": [0.0]}  # fmt: skip
     cfg = PipelineConfig(output=str(tmp_path), time_budget="00:00:20:00", eval=three)
     section = EvalConfig(**three, head="head")
-    assert eval_engines(section) == (4, 1)  # none, suffix, head, ngram (k=3, the rest derived)
+
+    def cut(section: EvalConfig, *args, **kwargs):  # the pipeline's cut with eval's own count
+        return eval_prompts(cfg, section, engine_count(section), *args, **kwargs)
+
+    assert engine_count(section) == (4, 1)  # none, suffix, head, ngram (k=3, the rest derived)
     every_k = EvalConfig(**three, head="head", derive_k=False)
-    assert eval_engines(every_k) == (10, 3)  # every k its own engine
+    assert engine_count(every_k) == (10, 3)  # every k its own engine
     # 2 s per extracted sample at 256 tokens: 30 + 2 x 40 = 110 s per engine, 440 s for 4
-    limit, info = eval_prompts(cfg, section, 2.0, left_s=500.0, prompts_per_set=[20, 20],
-                               extract_tokens=256)  # fmt: skip
+    limit, info = cut(section, 2.0, 500.0, [20, 20], extract_tokens=256)
     assert limit is None and info["eval_predicted_s"] == 440.0 and info["eval_engines"] == 4
     # 300 s left: all 4 engines, suffix's included, get 75 s each, 45 s of prompts: 22
     # prompts, 11 a set (suffix is budgeted, never left to whatever time remains)
-    limit, info = eval_prompts(cfg, section, 2.0, left_s=300.0, prompts_per_set=[20, 20],
-                               extract_tokens=256)  # fmt: skip
+    limit, info = cut(section, 2.0, 300.0, [20, 20], extract_tokens=256)
     assert limit == 11 and info["eval_prompts_per_set"] == [11, 11]
     assert info["eval_max_tokens"] == 256  # replies keep their length
     # Extraction at 128 tokens per reply: each prompt of a 256-token evaluation costs double.
-    limit, _ = eval_prompts(cfg, section, 1.0, left_s=300.0, prompts_per_set=[20, 20],
-                            extract_tokens=128)  # fmt: skip
+    limit, _ = cut(section, 1.0, 300.0, [20, 20], extract_tokens=128)
     assert limit == 11
     # Two temperatures: every engine decodes each prompt twice (the demo once overran here).
     two = EvalConfig(**{**three, "temperatures": [0.0, 1.0]}, head="head")
-    limit, info = eval_prompts(cfg, two, 2.0, left_s=500.0, prompts_per_set=[20, 20],
-                               extract_tokens=256)  # fmt: skip
+    limit, info = cut(two, 2.0, 500.0, [20, 20], extract_tokens=256)
     assert info["eval_predicted_s"] == 4 * (30 + 2 * 2 * 40) and limit == 11  # 4 x 118 s
-    limit, _ = eval_prompts(cfg, section, 20.0, left_s=100.0, prompts_per_set=[20, 20])
+    limit, _ = cut(section, 20.0, left_s=100.0, prompts_per_set=[20, 20])
     assert limit == EVAL_MIN_PROMPTS  # never fewer prompts than the floor
-    assert eval_prompts(cfg, section, 0.0, left_s=100.0, prompts_per_set=[20]) == (None, {})
+    assert cut(section, 0.0, left_s=100.0, prompts_per_set=[20]) == (None, {})
     # The cut moves the evaluation's address: a rerun on another hour does not reuse it.
     plan = Plan(cfg)
     before = plan.dirs["eval"]

@@ -213,6 +213,23 @@ def summary_table(results: dict) -> str:
     return "\n".join([setup_line(results), *table])
 
 
+def summary_of(eval_dir: Path, fresh: bool) -> str:
+    """What ``draftsmith pipeline`` prints last about a finished evaluation in ``eval_dir``:
+    where its report and plots are, after the table when this run did not print it already
+    (``fresh``: the evaluation ran in this run)."""
+    from draftsmith.core.readers import read_json
+
+    results = eval_dir / "results.json"
+    if not results.is_file():
+        return ""
+    plots = ", ".join(sorted(p.name for p in eval_dir.glob("*.png")))
+    where = f"report: {eval_dir / 'report.md'} (plots: {plots or 'none'})"
+    if fresh:
+        return where
+    rerun = f"delete {eval_dir} and run the pipeline again"
+    return summary_table(read_json(results, "stage record", rerun, keys=("runs",))) + "\n" + where
+
+
 def setup_line(results: dict) -> str:
     """What every row was measured on: the reply length and the prompts per set."""
     cfg = results.get("config") or {}

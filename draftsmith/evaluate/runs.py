@@ -97,6 +97,15 @@ def plan_methods(cfg: EvalConfig, ks: list[int]) -> list[Method]:
     return methods + [Method(name, k) for name in names for k in run_ks]
 
 
+def engine_count(cfg: EvalConfig) -> tuple[int, int]:
+    """(engines this evaluation starts, how many of them a time limit may skip), counted by
+    its own plan: what a time budget sizes the prompts by."""
+    from draftsmith.evaluate.checks import check_k
+
+    methods = plan_methods(cfg, check_k(cfg.k))
+    return len(methods), sum(map(skippable_under_time_limit, methods))
+
+
 def skippable_under_time_limit(method: Method) -> bool:
     """What a time limit may drop: suffix decoding, and only when even its engine, run right
     after no speculation's, would end past the limit. No speculation (the reference), the

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -21,13 +27,25 @@ class Command:
     config: str | None = None
     """``module:Class`` of the command's typed config (what a pipeline dry run parses);
     None for commands with a parser of their own (the train stage's LightningCLI)."""
+    hooks: dict[str, str] = field(default_factory=dict)
+    """What the pipeline asks of a stage without knowing it, name -> ``module:function``:
+
+    - ``check``: refuse bad option values, given the stage's parsed config (or its section,
+      for a stage with its own parser), before any stage runs;
+    - ``summary``: a finished stage's directory -> the text the pipeline prints last;
+    - ``engines``: the parsed config -> (engines it starts, how many a time limit may skip),
+      for the pipeline's time budget;
+    - ``train_tokens``: a finished stage's directory -> the tokens that trained the head."""
 
     def main(self) -> Callable[[list[str] | None], int]:
         return importlib.import_module(self.module).main
 
     def config_class(self) -> type:
-        module, _, name = (self.config or "").partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _load(self.config or "")
+
+    def hook(self, name: str) -> Callable[..., Any] | None:
+        """The stage's ``name`` hook, or None when it declares none."""
+        return _load(self.hooks[name]) if name in self.hooks else None
 
 
 COMMANDS = {
@@ -35,8 +53,16 @@ COMMANDS = {
         "draftsmith.extract.main",
         "capture target hidden states into a dataset",
         "draftsmith.extract.config:ExtractConfig",
+        {"check": "draftsmith.extract.main:check_config"},
     ),
-    "train": Command("draftsmith.train.main", "train a draft head (LightningCLI: fit, validate)"),
+    "train": Command(
+        "draftsmith.train.main",
+        "train a draft head (LightningCLI: fit, validate)",
+        hooks={
+            "check": "draftsmith.train.main:check_section",
+            "train_tokens": "draftsmith.train.data:train_tokens",
+        },
+    ),  # fmt: skip
     "export": Command(
         "draftsmith.train.export",
         "write a trained head as a directory vLLM serves",
@@ -51,7 +77,12 @@ COMMANDS = {
         "draftsmith.evaluate.main",
         "measure a head's acceptance and speed in vLLM",
         "draftsmith.evaluate.config:EvalConfig",
-    ),
+        {
+            "check": "draftsmith.evaluate.main:check_ranges",
+            "summary": "draftsmith.evaluate.report:summary_of",
+            "engines": "draftsmith.evaluate.runs:engine_count",
+        },
+    ),  # fmt: skip
     "pipeline": Command(
         "draftsmith.pipelines.main", "extract -> train -> export -> eval, resumable"
     ),

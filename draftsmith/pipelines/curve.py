@@ -15,19 +15,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.readers import check_shape, read_yaml
-
-
-def train_tokens(train_dir: Path) -> int:
-    """Tokens of the samples that trained the head of a train stage (its ``stage.yaml``)."""
-    from draftsmith.train.data import StatesDataModule
-
-    path = train_dir / "stage.yaml"
-    data = read_yaml(path, "yaml config", f"delete {train_dir} to train it again")
-    data = check_shape(data.get("data"), path, "yaml config", "its data section is gone")
-    dm = StatesDataModule(**data)
-    return sum(dm.dataset.lengths[i] for i in dm.train_indices)
-
 
 def fit_log(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares ``y = a + b ln x`` over at least two distinct ``x``; returns (a, b)."""

@@ -15,8 +15,6 @@ from typing import Any
 import yaml
 
 from draftsmith.dataset.manifest import read_manifest
-from draftsmith.evaluate.checks import check_k
-from draftsmith.evaluate.config import EvalConfig
 from draftsmith.pipelines.config import (
     STAGES,
     PipelineConfig,
@@ -102,6 +100,7 @@ class Plan:
         self.hashes = dict(extract=h_extract, train=h_train, export=h_export, eval=h_eval)
         names = dict(extract="extract", train="train", export="head", eval="eval")
         self.dirs = {s: out / f"{names[s]}-{self.hashes[s]}" for s in STAGES}
+        self.given = {"extract"} if cfg.data else set()  # stages whose output is given
         if cfg.data:
             self.dirs["extract"] = Path(cfg.data)
         self.train_max_time: str | None = None  # set by run() under time_budget
@@ -131,43 +130,58 @@ class Plan:
         best = ckpts / "best.ckpt"
         return best if best.is_file() else ckpts / "last.ckpt"
 
+    def runs(self, stage: str) -> bool:
+        """Whether this run runs ``stage`` (extraction is skipped when ``data`` is given)."""
+        return stage not in self.given
+
     def section(self, stage: str) -> dict[str, Any]:
         """``stage``'s config section with the paths and budget that chain the stages
-        filled in (the train stage's: its ``fit`` subcommand's)."""
-        cfg, d = self.cfg, self.dirs[stage]
-        if stage == "extract":
-            section = {**cfg.extract, "model": cfg.model, "output": str(d)}
-            if cfg.time_budget:  # streamed: the producer closes the data there, training goes on
-                left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
-                section["time_limit"] = max(left, 0.01)  # at least one shard: training needs data
-        elif stage == "train":
-            section = merge(
-                cfg.train,
-                {
-                    "trainer": {"default_root_dir": str(d)},
-                    "data": {"data": str(self.dirs["extract"])},
-                    "checkpoint": {"dirpath": str(d / "checkpoints")},
-                },
-            )
-            if self.val_dir() is not None:
-                section["data"]["val_data"] = str(self.val_dir())
-            if cfg.stream:
-                section["data"]["stream"] = dict(cfg.stream)
-            section["trainer"]["logger"] = _loggers(section["trainer"].get("logger"), d)
-            if self.train_max_time:
-                section["trainer"]["max_time"] = self.train_max_time
-            last = d / "checkpoints" / "last.ckpt"
-            if last.is_file():  # resume an interrupted run
-                section["ckpt_path"] = str(last)
-        elif stage == "export":
-            section = {**cfg.export, "checkpoint": str(self.checkpoint()), "output": str(d)}
-        else:
-            section = {**cfg.eval, "model": cfg.model, "head": str(self.dirs["export"])}
-            section.update(output=str(d), train_data=str(self.dirs["extract"]))  # overlap guard
-            if self.eval_time_limit:
-                section["time_limit"] = self.eval_time_limit
-            if self.eval_limit:
-                section["limit"] = self.eval_limit
+        filled in, as known now."""
+        return getattr(self, f"_{stage}_section")()
+
+    def _extract_section(self) -> dict[str, Any]:
+        cfg = self.cfg
+        section = {**cfg.extract, "model": cfg.model, "output": str(self.dirs["extract"])}
+        if cfg.time_budget:  # streamed: the producer closes the data there, training goes on
+            left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
+            section["time_limit"] = max(left, 0.01)  # at least one shard: training needs data
+        return section
+
+    def _train_section(self) -> dict[str, Any]:
+        """The train stage's ``fit`` section."""
+        cfg, d = self.cfg, self.dirs["train"]
+        section = merge(
+            cfg.train,
+            {
+                "trainer": {"default_root_dir": str(d)},
+                "data": {"data": str(self.dirs["extract"])},
+                "checkpoint": {"dirpath": str(d / "checkpoints")},
+            },
+        )
+        if self.val_dir() is not None:
+            section["data"]["val_data"] = str(self.val_dir())
+        if cfg.stream:
+            section["data"]["stream"] = dict(cfg.stream)
+        section["trainer"]["logger"] = _loggers(section["trainer"].get("logger"), d)
+        if self.train_max_time:
+            section["trainer"]["max_time"] = self.train_max_time
+        last = d / "checkpoints" / "last.ckpt"
+        if last.is_file():  # resume an interrupted run
+            section["ckpt_path"] = str(last)
+        return section
+
+    def _export_section(self) -> dict[str, Any]:
+        return {**self.cfg.export, "checkpoint": str(self.checkpoint()),
+                "output": str(self.dirs["export"])}  # fmt: skip
+
+    def _eval_section(self) -> dict[str, Any]:
+        cfg = self.cfg
+        section = {**cfg.eval, "model": cfg.model, "head": str(self.dirs["export"])}
+        section.update(output=str(self.dirs["eval"]), train_data=str(self.dirs["extract"]))
+        if self.eval_time_limit:  # the overlap guard reads train_data
+            section["time_limit"] = self.eval_time_limit
+        if self.eval_limit:
+            section["limit"] = self.eval_limit
         return section
 
     def set_eval_limit(self, limit: int | None) -> None:
@@ -218,15 +232,6 @@ def _loggers(logger: Any, run_dir: Path) -> Any:
     return fixed
 
 
-def eval_engines(section: EvalConfig) -> tuple[int, int]:
-    """(engines the evaluation starts, how many of them a time limit may skip), counted by
-    the evaluation's own plan."""
-    from draftsmith.evaluate.runs import plan_methods, skippable_under_time_limit  # torch
-
-    methods = plan_methods(section, check_k(section.k))
-    return len(methods), sum(map(skippable_under_time_limit, methods))
-
-
 def shard_seconds_per_sample(dataset: Path) -> tuple[float, int] | None:
     """(seconds per sample, max_new_tokens) of the dataset's extraction: the median over its
     shards of capture seconds per sample. Each shard regenerates replies with the engine
@@ -247,8 +252,8 @@ def shard_seconds_per_sample(dataset: Path) -> tuple[float, int] | None:
 
 
 def eval_prompts(
-    cfg: PipelineConfig, section: EvalConfig, per_sample_s: float, left_s: float,
-    prompts_per_set: list[int], extract_tokens: int = 0,
+    cfg: PipelineConfig, section: Any, engine_counts: tuple[int, int], per_sample_s: float,
+    left_s: float, prompts_per_set: list[int], extract_tokens: int = 0,
 ) -> tuple[int | None, dict]:  # fmt: skip
     """The evaluation's prompts per set under ``cfg.time_budget``, and the accounting.
 
@@ -265,7 +270,7 @@ def eval_prompts(
         return None, {}
     if extract_tokens:
         per_sample_s *= section.max_tokens / extract_tokens
-    engines, optional = eval_engines(section)
+    engines, optional = engine_counts  # the eval stage's own count (its `engines` hook)
     # Each engine decodes every prompt once per temperature.
     per_prompt = cfg.eval_engine_cost * per_sample_s * len(section.temperatures)
     asked = max(prompts_per_set)

@@ -4,7 +4,7 @@
 
 Each point is the base pipeline YAML with a few dotted overrides
 (``train.model.ttt_steps: 5``). Every point runs in the same output directory, so stages
-that a point does not change (content-addressed, ``pipelines/main.py``) are reused: a grid
+that a point does not change (content-addressed, ``pipelines/stage_dirs.py``) are reused: a grid
 over training knobs extracts once. The table gives, per point, tokens per verification step
 and acceptance length at ``k`` measured by vLLM, the simulated acceptance length logged in
 training, the draft vocabulary's coverage and the seconds of each stage; it is written to
@@ -33,13 +33,14 @@ from draftsmith.core.outputs import PIPELINE_OWN, check_output
 from draftsmith.core.readers import read_json
 from draftsmith.drafters.headfiles.read import read_head_config
 from draftsmith.pipelines import curve
+from draftsmith.pipelines.commands import COMMANDS
 from draftsmith.pipelines.config import (
     SECTIONS,
     PipelineError,
     parse_pipeline,
     read_yaml_mapping,
 )
-from draftsmith.pipelines.main import run
+from draftsmith.pipelines.runner import run
 
 # Plain YAML values: ``Any`` would let the parser instantiate ``class_path`` dicts (loggers).
 Overrides = dict[str, None | bool | int | float | str | list | dict]
@@ -224,7 +225,8 @@ def _main(args: list[str] | None) -> int:
     if cfg.curve:
         for row in rows:
             if "train" in row.get("dirs", {}):
-                row["train_tokens"] = curve.train_tokens(Path(row["dirs"]["train"]))
+                tokens = COMMANDS["train"].hook("train_tokens")
+                row["train_tokens"] = tokens(Path(row["dirs"]["train"]))
         line, fit = curve.summary(rows, cfg.k)
         text += "\n\n" + line
         curve.plot(rows, fit, out / "curve.png", cfg.k)

@@ -355,3 +355,15 @@ class StatesDataModule(pl.LightningDataModule):
         if self.noise_std > 0 and self.trainer is not None and self.trainer.training:
             return add_noise(batch, self.noise_std)
         return batch
+
+
+def train_tokens(train_dir: Path) -> int:
+    """Tokens of the samples that trained the head of a finished train stage (its
+    ``stage.yaml``), counted through the same split training used."""
+    from draftsmith.core.readers import check_shape, read_yaml
+
+    path = train_dir / "stage.yaml"
+    data = read_yaml(path, "yaml config", f"delete {train_dir} to train it again")
+    data = check_shape(data.get("data"), path, "yaml config", "its data section is gone")
+    dm = StatesDataModule(**data)
+    return sum(dm.dataset.lengths[i] for i in dm.train_indices)

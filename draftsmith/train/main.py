@@ -19,6 +19,8 @@ disk ends in one line naming the path and the free space (``checkpoint_io.py``).
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import sys
 import warnings
@@ -203,10 +205,27 @@ def main(args: list[str] | None = None) -> int:
     return exit_code(prog, lambda: exit_on_sigterm(prog, lambda: run_stage(args)))
 
 
+def check_section(section: dict[str, Any]) -> None:
+    """Parse and check a ``fit`` section (the pipeline's train section) without instantiating
+    or running anything, and without Lightning's seeding and banner lines."""
+    loggers = [logging.getLogger(name) for name in ("lightning.fabric", "lightning.pytorch")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_stage(section, dry_run=True)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 def run_stage(args: list[str] | dict[str, Any] | None, dry_run: bool = False) -> int:
-    """Run the LightningCLI on command-line ``args``, or on a config already in memory
-    (the pipeline's: ``{"subcommand": "fit", "fit": {...}}``, parsed once, here).
+    """Run the LightningCLI on command-line ``args``, or on a config already in memory: a
+    ``fit`` section (the pipeline's), or ``{"subcommand": ..., ...}``, parsed once, here.
     ``dry_run`` parses and checks it without instantiating or running anything."""
+    if isinstance(args, dict) and "subcommand" not in args:
+        args = {"subcommand": "fit", "fit": args}
     on_gpu = torch.cuda.is_available()
     with contextlib.ExitStack() as stack:
         TrainCLI.exit_stack, TrainCLI.dry_run = stack, dry_run
