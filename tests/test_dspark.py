@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fit_then_validate
+from helpers import CachedContextAttention, fit_then_validate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.block_layout import block_mask
@@ -232,25 +232,6 @@ def vllm_dspark(head_dir: Path, target_dir: Path, k: int, shipped: frozenset = f
             model.lm_head.weight.copy_(weights.get("lm_head.weight", embed))
         process_weights_after_loading(model, target, torch.device("cpu"))
     return model, config, embed
-
-
-class CachedContextAttention(torch.nn.Module):
-    """Stands in for vLLM's paged attention kernel only: the query slots attend (both ways)
-    to the context keys / values vLLM's own ``precompute_and_store_context_kv`` wrote, then
-    to the block's."""
-
-    def __init__(self, kv: tuple[torch.Tensor, torch.Tensor], attn) -> None:
-        super().__init__()
-        self.kv, self.n, self.n_kv, self.hd = kv, attn.num_heads, attn.num_kv_heads, attn.head_dim
-
-    def forward(self, q, k, v):
-        k = torch.cat([self.kv[0], k.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
-        v = torch.cat([self.kv[1], v.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
-        rep = self.n // self.n_kv
-        q = q.view(-1, self.n, self.hd).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0),
-                                             v.repeat_interleave(rep, 0))  # fmt: skip
-        return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
 def assert_vllm_matches(

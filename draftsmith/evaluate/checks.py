@@ -57,8 +57,8 @@ def check_head(head: str, method: str, target: TargetInfo) -> dict:
         raise HeadError(
             f"method: {method!r} is unknown; use one of {sorted(drafters.head_methods())}."
         )
-    kind = drafters.kind_of_method(method)
     config = read_head_config(head)
+    kind = drafters.kind_of_method(method, config)
     weights = sorted(Path(head).glob("*.safetensors"))
     if not weights:
         raise HeadError(f"head: {head} has no .safetensors weights.")
