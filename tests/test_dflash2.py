@@ -6,6 +6,7 @@ path and q), and a tiny run through the train CLI."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import CachedContextAttention
+from helpers import CachedContextAttention, fit_then_validate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.block_layout import block_inputs, block_mask
@@ -462,3 +463,87 @@ def test_export_loads_into_vllms_dflash2_module_with_equal_path(tmp_path, qwen3_
                                        "selector_top_k": 8}  # fmt: skip
     assert (head_dir / "mask_embedding.pt").is_file()
     assert_vllm_matches(head, head_dir, qwen3_target)
+
+
+def test_convert_rewrites_a_dflash2_head_and_names_the_layouts_it_lacks(tmp_path, qwen3_target,
+                                                                      capsys):  # fmt: skip
+    """``draftsmith convert`` reads vLLM's DFlash2 layout back into the same drafter and writes
+    it again (here in bfloat16); a consumer with no DFlash2 layout here is one line."""
+    from safetensors.torch import load_file
+
+    from draftsmith.cli import main as cli_main
+    from draftsmith.core.targets import read_target
+    from draftsmith.drafters.dflash2.export import read_vllm
+
+    target = read_target(str(qwen3_target))
+    head = random_head(target)
+    source = DFlash2.export(head, target, tmp_path / "head")
+    back = read_vllm(source)
+    assert back.init_kwargs == {**head.init_kwargs, "target_hidden_size": H}
+    for name, value in head.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+    out = tmp_path / "bf16"
+    args = ["convert", f"--head={source}", "--to=vllm", f"--output={out}", "--dtype=bfloat16",
+            f"--model={qwen3_target}"]  # fmt: skip
+    assert cli_main(args) == 0
+    assert "converted: DFlash2 vLLM head -> vllm" in capsys.readouterr().out
+    ours, theirs = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert theirs.keys() == ours.keys() and all(t.dtype == torch.bfloat16 for t in theirs.values())
+    assert torch.equal(theirs["candidate_selector.successor_codebook"],
+                       ours["candidate_selector.successor_codebook"].bfloat16())  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    for to, said in [("sglang", "to: 'sglang'; draftsmith writes DFlash2 heads as vllm only"),
+                     ("speculators", "no speculators layout for them here")]:  # fmt: skip
+        bad = ["convert", f"--head={source}", f"--to={to}", f"--output={tmp_path / to}",
+               f"--model={qwen3_target}"]  # fmt: skip
+        assert cli_main(bad) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and "\n" not in err, err
+    assert cli_main(["convert", f"--head={source}", "--to=vllm", f"--output={tmp_path / 'x'}"]) == 2
+    assert "model: not given" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_tiny_dflash2_trains_validates_and_exports(tmp_path, qwen3_target, make_hf_dataset):
+    """The train CLI on a tiny Qwen3 target: the loss falls, validation logs the selector's
+    walk at T = 0 and T = 1, and ``draftsmith export`` writes what vLLM's module reads."""
+    from draftsmith.cli import main as cli_main
+    from draftsmith.train.checkpoints import read_checkpoint
+
+    prompts = [f"Write a short note about topic number {i}." for i in range(16)]
+    data = make_hf_dataset(tmp_path / "data", qwen3_target, prompts, max_new_tokens=48)
+    logs = tmp_path / "logs"
+    section = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 8,
+                    "enable_progress_bar": False, "log_every_n_steps": 1,
+                    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
+                               "init_args": {"save_dir": str(logs)}}},
+        "model": {"kind": "dflash2", "block_size": 4, "num_anchors": 64, "selector_rank": 16,
+                  "selector_top_k": 8, "lr": 3.0e-3, "warmup_steps": 2},
+        "data": {"data": str(data), "row_tokens": 256, "batch_size": 2, "val_fraction": 0,
+                 "num_workers": 0},
+    }  # fmt: skip
+    ckpt, simulated = fit_then_validate(section, tmp_path)
+    rows = list(csv.DictReader((logs / "lightning_logs" / "version_0" / "metrics.csv").open()))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    selector = [float(r["train/selector_loss"]) for r in rows if r.get("train/selector_loss")]
+    assert len(losses) >= 8 and sum(losses[-3:]) < 0.85 * sum(losses[:3]), losses
+    assert sum(selector[-3:]) < sum(selector[:3]), selector  # the selector learns too
+    val = tmp_path / "val" / "lightning_logs" / "version_0" / "metrics.csv"
+    last = list(csv.DictReader(val.open()))[-1]
+    t1, recall = float(last["val/acceptance_length_t1"]), float(last["val/candidate_recall"])
+    assert 1.0 <= simulated <= 4.0 and 1.0 <= t1 <= 4.0 and 0.0 < recall <= 1.0
+    print(f"dflash2 tiny: loss {losses[0]:.3f} -> {losses[-1]:.3f}, selector {selector[0]:.3f} "
+          f"-> {selector[-1]:.3f}; simulated acceptance T=0 {simulated:.4f}, T=1 {t1:.4f}; "
+          f"gold in the top-8 {recall:.3f}")  # fmt: skip
+
+    head_dir = tmp_path / "head"
+    args = ["export", f"--checkpoint={ckpt}", f"--output={head_dir}", "--dtype=float32"]
+    assert cli_main(args) == 0
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4]  # ids 2, 4, 5 minus 1
+    saved = read_checkpoint(ckpt)
+    state = {k[5:]: v for k, v in saved["state_dict"].items() if k.startswith("head.")}
+    assert_vllm_matches(DFlash2.rebuild(saved["draftsmith"], state), head_dir, qwen3_target)

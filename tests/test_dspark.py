@@ -464,3 +464,31 @@ def test_export_to_speculators_is_refused_for_a_kind_without_it(monkeypatch, tmp
     with pytest.raises(CheckpointError, match="eagle3 heads are exported as vllm: give") as err:
         export.export_checkpoint(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_convert_moves_a_dspark_head_between_vllm_and_speculators(tmp_path, qwen3_target, capsys):
+    """``draftsmith convert`` reads either DSpark layout and writes the other; the round trip
+    gives back vLLM's files tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from draftsmith.cli import main as cli_main
+    from draftsmith.core.targets import read_target
+
+    target = read_target(str(qwen3_target))
+    source = DSpark.export(random_head(target), target, tmp_path / "head")
+    spec, back = tmp_path / "speculators", tmp_path / "back"
+    model = f"--model={qwen3_target}"
+    to_spec = ["convert", f"--head={source}", "--to=speculators", f"--output={spec}", model]
+    assert cli_main(to_spec) == 0
+    assert json.loads((spec / "config.json").read_text())["speculators_model_type"] == "dspark"
+    assert cli_main(["convert", f"--head={spec}", "--to=vllm", f"--output={back}", model]) == 0
+    assert "converted: DSpark speculators head -> vllm" in capsys.readouterr().out
+    ours, theirs = load_file(source / "model.safetensors"), load_file(back / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text()
+    )
+    bad = ["convert", f"--head={source}", "--to=sglang", f"--output={tmp_path / 's'}", model]
+    assert cli_main(bad) == 2
+    assert "draftsmith writes DSpark heads as vllm or speculators only" in capsys.readouterr().err

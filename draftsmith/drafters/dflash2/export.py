@@ -49,8 +49,7 @@ from draftsmith.drafters.headfiles import (
     state_tensors,
     write_head_dir,
 )
-from draftsmith.drafters.headread import check_tensors, read_head_files
-from draftsmith.drafters.llama import target_sizes
+from draftsmith.drafters.headread import block_layer_kwargs, check_tensors, read_head_files
 
 ARCHITECTURE = "DFlash2DraftModel"
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -148,16 +147,13 @@ def read_vllm(head_dir: str | Path) -> DFlash2Drafter:
                           "final_logit_softcapping") if config.get(k) or dflash.get(k)]  # fmt: skip
     if extras:
         raise HeadError(f"{where} sets {extras}; draftsmith's DFlash2 drafter builds none of them")
-    sizes = target_sizes(config)
-    del sizes["max_position_embeddings"]
-    ids = dflash["target_layer_ids"]
     layers = config["num_hidden_layers"]
     norms = [tensors.get(f"layers.{i}.self_attn.k_norm.weight") for i in range(layers)]
     tied = all(n is not None and torch.equal(n, norms[0]) for n in norms) and layers > 1
     head = DFlash2Drafter(
-        **sizes, target_hidden_size=config.get("target_hidden_size"), target_layer_ids=ids,
-        mask_token_id=dflash["mask_token_id"], num_layers=layers,
-        block_size=dflash.get("block_size", 8), tie_k_norm=tied,
+        **block_layer_kwargs(config), target_layer_ids=dflash["target_layer_ids"],
+        mask_token_id=dflash["mask_token_id"], block_size=dflash.get("block_size", 8),
+        tie_k_norm=tied,
         train_mask_embedding=(Path(head_dir) / "mask_embedding.pt").is_file(),
         **{k: dflash[k] for k in SIZES},
     )  # fmt: skip

@@ -186,7 +186,7 @@ def selector_walk(head: DFlash2Drafter, lm_head: Tensor, states: Tensor, teacher
     """
     b, a, bs = valid.shape
     t = teacher.shape[1]
-    rows = torch.arange(b, device=valid.device)[:, None] * t + target - 1  # [B, A, bs]
+    rows = torch.arange(b, device=valid.device)[:, None, None] * t + target - 1  # [B, A, bs]
     prev, alive = anchor_ids, torch.ones_like(valid[:, :, 0])
     accepted = torch.zeros(b, a, dtype=torch.long, device=valid.device)
     with torch.no_grad():
