@@ -23,9 +23,14 @@ from draftsmith.drafters.dflash.model import DFlashDrafter
 from draftsmith.drafters.dflash2 import DFlash2, check_target
 from draftsmith.drafters.dflash2.conv import GroupedConv
 from draftsmith.drafters.dflash2.model import DFlash2Drafter, is_dflash_part
-from draftsmith.drafters.dflash2.objective import block_objective, draft_logits, selector_walk
+from draftsmith.drafters.dflash2.objective import (
+    block_objective,
+    candidate_step,
+    draft_logits,
+    selector_walk,
+)
 from draftsmith.drafters.dflash2.options import DFlash2Options
-from draftsmith.drafters.dflash2.selector import with_gold
+from draftsmith.drafters.dflash2.selector import top_candidates, with_gold
 
 V, H = 300, 128
 
@@ -233,7 +238,7 @@ def test_served_walk_by_hand():
         _, states, valid, target = block_objective(trainee, opt, batch, teacher, anchors, keep)
     anchor_ids = batch["input_ids"].gather(1, anchors)
     sel = head.candidate_selector
-    got = selector_walk(head, lm_head, states, teacher, anchor_ids, valid, target, 0.0)
+    (got,) = selector_walk(head, lm_head, states, teacher, anchor_ids, valid, target)
     expected = []
     for j in range(2):
         prev, m, alive = int(anchor_ids[0, j]), 0, True
@@ -257,15 +262,23 @@ def test_served_walk_by_hand():
     with torch.no_grad():
         head.candidate_selector.hidden_projection.weight.zero_()
     sharp = teacher * 30
-    assert selector_walk(head, lm_head, right, sharp, anchor_ids, valid, target, 0.0).tolist() \
-        == [[3, 1]]  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    assert selector_walk(head, lm_head, right, sharp, anchor_ids, valid, target, 1.0, g).tolist() \
-        == [[3, 1]]  # fmt: skip
+    t0, t1 = selector_walk(head, lm_head, right, sharp, anchor_ids, valid, target, (0.0, 1.0), g)
+    assert t0.tolist() == t1.tolist() == [[3, 1]]
     far = right.clone()
     far[0, 0, 2] = -right[0, 0, 2]  # block 0's second draft: the teacher's least likely ids
-    assert selector_walk(head, lm_head, far, sharp, anchor_ids, valid, target, 1.0, g).tolist() \
-        == [[1, 1]]  # fmt: skip
+    (t1,) = selector_walk(head, lm_head, far, sharp, anchor_ids, valid, target, (1.0,), g)
+    assert t1.tolist() == [[1, 1]]
+    # T = 1 draws from q = softmax(vLLM's draft logits), 0 off the K candidates; a target
+    # whose distribution is q accepts every draw (p / q = 1).
+    h, prev = states[0, 0, 1].expand(4000, -1), anchor_ids[0, :1].expand(4000)
+    logits = draft_logits(head, lm_head, h, prev)  # [4000, V]
+    cand, unary = top_candidates(h, lm_head, 5)
+    scores = head.candidate_selector(unary, h, prev[:, None], cand)[:, 0]
+    draft, ok = candidate_step(cand, scores, logits, 1.0, torch.Generator().manual_seed(1))
+    assert ok.all() and set(draft.tolist()) <= set(cand[0].tolist())
+    freq = torch.stack([(draft == c).float().mean() for c in cand[0]])
+    torch.testing.assert_close(freq, logits[0].softmax(-1)[cand[0]], atol=0.03, rtol=0)
 
 
 def tappable(arch: str, refusal: str | None = None, hidden: int = 576) -> SimpleNamespace:
@@ -515,7 +528,7 @@ def test_tiny_dflash2_trains_validates_and_exports(tmp_path, qwen3_target, make_
     logs = tmp_path / "logs"
     section = {
         "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 8,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 4,
                     "enable_progress_bar": False, "log_every_n_steps": 1,
                     "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                                "init_args": {"save_dir": str(logs)}}},

@@ -25,11 +25,11 @@ slot as vLLM's ``DFlash2Speculator`` walks: scores of the slot's candidates give
 chosen at the slot before (slot 1: the anchor). Temperature 0: the best-scoring candidate,
 accepted while it equals the target's argmax. Temperature 1 (vLLM with
 ``draft_sample_method: probabilistic``: Gumbel-max over the scores, and the scores at the
-candidates, -inf elsewhere, as the draft logits): a candidate sampled from
-``q = softmax(scores)`` over the K, accepted with probability ``min(1, p / q)``
-(``walk.rejection_step``). ``walk.served_walk`` turns the accepted lengths into vLLM's
-acceptance length: T = 0 the loop's ``val/acceptance_length``, T = 1
-``val/acceptance_length_t1``.
+candidates, -inf elsewhere, as the draft logits: ``draft_logits``): a candidate sampled
+from ``q = softmax(scores)`` over the K, accepted with probability ``min(1, p / q)``
+(``candidate_step``: ``walk.rejection_step`` on the candidates). ``walk.served_walk`` turns
+the accepted lengths into vLLM's acceptance length: T = 0 the loop's
+``val/acceptance_length``, T = 1 ``val/acceptance_length_t1``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from draftsmith.drafters.dflash2.options import DFlash2Options
 from draftsmith.drafters.dflash2.selector import top_candidates, with_gold
 from draftsmith.drafters.loss import TTTLoss, loss_record, merge_records
 from draftsmith.drafters.protocol import Trainee
-from draftsmith.drafters.walk import log_sampled, rejection_step, sample_anchors, served_walk
+from draftsmith.drafters.walk import log_sampled, sample_anchors, served_walk
 
 
 def _selector_chunk(head: DFlash2Drafter, h: Tensor, lm_head: Tensor, candidates: Tensor,
@@ -175,28 +175,58 @@ def draft_logits(head: DFlash2Drafter, lm_head: Tensor, hidden: Tensor, prev: Te
     return logits.scatter_(-1, candidates, scores.float())
 
 
+def candidate_step(candidates: Tensor, scores: Tensor, t_logits: Tensor, temperature: float,
+                   generator: torch.Generator | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``walk.rejection_step`` on the K candidates: (draft [...] long, accepted [...] bool).
+
+    candidates, scores [..., K] (the selector's, given the token before), t_logits [..., V]
+    (the target's). Temperature 0: the best-scoring candidate, accepted when it is the target's
+    argmax. Otherwise one drawn from ``q = softmax(scores / T)`` (0 off the candidates: vLLM's
+    draft logits are -inf there), accepted with probability ``min(1, p / q)``, p the target's
+    ``softmax(t_logits / T)`` over the whole vocabulary."""
+    if temperature == 0:
+        draft = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+        return draft, draft == t_logits.argmax(-1)
+    q = (scores.float() / temperature).softmax(-1)
+    place = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1])
+    draft = candidates.gather(-1, place[..., None]).squeeze(-1)
+    log_p = (t_logits.float() / temperature).log_softmax(-1).gather(-1, draft[..., None])
+    ratio = log_p.squeeze(-1).exp() / q.gather(-1, place[..., None]).squeeze(-1)
+    device = generator.device if generator is not None else q.device
+    u = torch.rand(ratio.shape, generator=generator, device=device).to(ratio.device)
+    return draft, u < ratio.clamp(max=1.0)
+
+
 def selector_walk(head: DFlash2Drafter, lm_head: Tensor, states: Tensor, teacher: Tensor,
-                  anchor_ids: Tensor, valid: Tensor, target: Tensor, temperature: float,
-                  generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
-    """Drafts accepted per block as vLLM's DFlash2 walk drafts them (module docstring).
+                  anchor_ids: Tensor, valid: Tensor, target: Tensor,
+                  temperatures: tuple[float, ...] = (0.0,),
+                  generator: torch.Generator | None = None) -> list[Tensor]:  # fmt: skip
+    """Drafts accepted per block as vLLM's DFlash2 walk drafts them (module docstring), one
+    walk per temperature (0, or 1: sampled with ``generator``); the slots' candidates and the
+    target's logits are computed once for all.
 
     states [B, A, bs, H] (the one pass), lm_head [V, H], teacher [B, T, H], anchor_ids [B, A]
-    (slot 1's predecessor), valid / target from ``slot_validity``; ``temperature`` 0 or 1.
-    Returns: accepted drafts per block [B, A] long.
+    (slot 1's predecessor), valid / target from ``slot_validity``.
+    Returns: per temperature, accepted drafts per block [B, A] long.
     """
     b, a, bs = valid.shape
     t = teacher.shape[1]
     rows = torch.arange(b, device=valid.device)[:, None, None] * t + target - 1  # [B, A, bs]
-    prev, alive = anchor_ids, torch.ones_like(valid[:, :, 0])
-    accepted = torch.zeros(b, a, dtype=torch.long, device=valid.device)
+    n = len(temperatures)
+    prev, alive = [anchor_ids] * n, [torch.ones_like(valid[:, :, 0])] * n
+    accepted = [torch.zeros(b, a, dtype=torch.long, device=valid.device) for _ in range(n)]
     with torch.no_grad():
         for i in range(1, bs):
-            logits = draft_logits(head, lm_head, states[:, :, i], prev)  # [B, A, V]
+            h = states[:, :, i]  # [B, A, H]
+            candidates, unary = top_candidates(h, lm_head, head.top_k)  # [B, A, K]
             t_logits = teacher.reshape(b * t, -1)[rows[:, :, i].clamp(min=0)] @ lm_head.T
-            draft, ok = rejection_step(logits, t_logits, temperature, generator)
-            alive = alive & valid[:, :, i] & ok
-            accepted += alive.long()
-            prev = draft
+            for j, temperature in enumerate(temperatures):
+                scores = head.candidate_selector(unary, h, prev[j][..., None], candidates)
+                draft, ok = candidate_step(candidates, scores[..., 0, :], t_logits, temperature,
+                                           generator)  # fmt: skip
+                alive[j] = alive[j] & valid[:, :, i] & ok
+                accepted[j] += alive[j].long()
+                prev[j] = draft
     return accepted
 
 
@@ -218,9 +248,9 @@ def dflash2_loss(trainee: Trainee, opt: DFlash2Options, batch: Batch) -> tuple[T
         out, states, valid, target = block_objective(trainee, opt, batch, teacher,
                                                      anchors[:, chunk], keep[:, chunk])  # fmt: skip
         anchor_ids = batch["input_ids"].gather(1, anchors[:, chunk])
-        for temperature, acc in zip((0.0, 1.0), accepted, strict=True):
-            m = selector_walk(trainee.head, trainee.target_lm_head, states, teacher, anchor_ids,
-                              valid, target, temperature, generator)  # fmt: skip
+        walks = selector_walk(trainee.head, trainee.target_lm_head, states, teacher, anchor_ids,
+                              valid, target, (0.0, 1.0), generator)  # fmt: skip
+        for acc, m in zip(accepted, walks, strict=True):
             acc.scatter_add_(1, anchors[:, chunk], m * keep[:, chunk])  # unused slots add 0
         parts.append(out)
     walks = [served_walk(acc, batch["loss_mask"], batch["doc_ids"], opt.block_size - 1)
