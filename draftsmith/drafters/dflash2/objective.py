@@ -53,7 +53,7 @@ from draftsmith.drafters.walk import log_sampled, sample_anchors, served_walk
 
 def _selector_chunk(head: DFlash2Drafter, h: Tensor, lm_head: Tensor, candidates: Tensor,
                     label: Tensor, pred: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """n slots -> (K-way CE [n], the selector's choice [n], a place in ``candidates``)."""
+    """n slots -> (K-way CE [n], the selector's choice [n]: a place in ``candidates``)."""
     unary = torch.einsum("nh,nkh->nk", h, lm_head[candidates])  # [n, K]
     scores = head.candidate_selector(unary, h, pred[:, None], candidates)[:, 0]  # [n, K]
     return F.cross_entropy(scores.float(), label, reduction="none"), scores.argmax(-1)
