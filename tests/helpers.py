@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -137,3 +138,22 @@ def one_thread():
     finally:
         torch.set_num_threads(threads)
         train_stage.avoid_busy_cores = busy
+
+
+class CachedContextAttention(torch.nn.Module):
+    """Stands in for vLLM's paged attention kernel only, in its block drafters' modules
+    (DSpark, DFlash2): the query slots attend (both ways) to the context keys / values vLLM's
+    own ``precompute_and_store_context_kv`` wrote, then to the block's."""
+
+    def __init__(self, kv: tuple[torch.Tensor, torch.Tensor], attn) -> None:
+        super().__init__()
+        self.kv, self.n, self.n_kv, self.hd = kv, attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    def forward(self, q, k, v):
+        k = torch.cat([self.kv[0], k.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
+        v = torch.cat([self.kv[1], v.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
+        rep = self.n // self.n_kv
+        q = q.view(-1, self.n, self.hd).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0),
+                                             v.repeat_interleave(rep, 0))  # fmt: skip
+        return out.transpose(0, 1).reshape(q.shape[1], -1)

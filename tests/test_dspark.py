@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fit_then_validate
+from helpers import CachedContextAttention, fit_then_validate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.attention.block_layout import block_mask
@@ -232,25 +232,6 @@ def vllm_dspark(head_dir: Path, target_dir: Path, k: int, shipped: frozenset = f
             model.lm_head.weight.copy_(weights.get("lm_head.weight", embed))
         process_weights_after_loading(model, target, torch.device("cpu"))
     return model, config, embed
-
-
-class CachedContextAttention(torch.nn.Module):
-    """Stands in for vLLM's paged attention kernel only: the query slots attend (both ways)
-    to the context keys / values vLLM's own ``precompute_and_store_context_kv`` wrote, then
-    to the block's."""
-
-    def __init__(self, kv: tuple[torch.Tensor, torch.Tensor], attn) -> None:
-        super().__init__()
-        self.kv, self.n, self.n_kv, self.hd = kv, attn.num_heads, attn.num_kv_heads, attn.head_dim
-
-    def forward(self, q, k, v):
-        k = torch.cat([self.kv[0], k.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
-        v = torch.cat([self.kv[1], v.view(-1, self.n_kv, self.hd)]).transpose(0, 1)
-        rep = self.n // self.n_kv
-        q = q.view(-1, self.n, self.hd).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0),
-                                             v.repeat_interleave(rep, 0))  # fmt: skip
-        return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
 def assert_vllm_matches(
@@ -483,3 +464,31 @@ def test_export_to_speculators_is_refused_for_a_kind_without_it(monkeypatch, tmp
     with pytest.raises(CheckpointError, match="eagle3 heads are exported as vllm: give") as err:
         export.export_checkpoint(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_convert_moves_a_dspark_head_between_vllm_and_speculators(tmp_path, qwen3_target, capsys):
+    """``draftsmith convert`` reads either DSpark layout and writes the other; the round trip
+    gives back vLLM's files tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from draftsmith.cli import main as cli_main
+    from draftsmith.core.targets import read_target
+
+    target = read_target(str(qwen3_target))
+    source = DSpark.export(random_head(target), target, tmp_path / "head")
+    spec, back = tmp_path / "speculators", tmp_path / "back"
+    model = f"--model={qwen3_target}"
+    to_spec = ["convert", f"--head={source}", "--to=speculators", f"--output={spec}", model]
+    assert cli_main(to_spec) == 0
+    assert json.loads((spec / "config.json").read_text())["speculators_model_type"] == "dspark"
+    assert cli_main(["convert", f"--head={spec}", "--to=vllm", f"--output={back}", model]) == 0
+    assert "converted: DSpark speculators head -> vllm" in capsys.readouterr().out
+    ours, theirs = load_file(source / "model.safetensors"), load_file(back / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text()
+    )
+    bad = ["convert", f"--head={source}", "--to=sglang", f"--output={tmp_path / 's'}", model]
+    assert cli_main(bad) == 2
+    assert "draftsmith writes DSpark heads as vllm or speculators only" in capsys.readouterr().err

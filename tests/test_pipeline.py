@@ -306,7 +306,8 @@ def test_pipeline_configs_dry_run(path, tmp_path, tiny_model_dir, capsys):
     ("eagle", "dflash"),
     [("smollm2.yaml", "smollm2-dflash.yaml"),
      ("smollm2-cpu-2h.yaml", "smollm2-cpu-2h-dflash.yaml"),
-     ("smollm2-cpu-2h-prefill.yaml", "smollm2-cpu-2h-prefill-dflash.yaml")],
+     ("smollm2-cpu-2h-prefill.yaml", "smollm2-cpu-2h-prefill-dflash.yaml"),
+     ("smollm2.yaml", "smollm2-dflash2.yaml")],
 )  # fmt: skip
 def test_each_dflash_recipe_trains_on_its_eagle_recipes_dataset(eagle, dflash, tmp_path):
     """One dataset trains either kind: the DFlash recipe's extraction (and validation set)

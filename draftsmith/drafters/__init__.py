@@ -3,6 +3,7 @@
     eagle3/   EAGLE-3, with P-EAGLE as its parallel-drafting option
     eagle1/   EAGLE-1
     dflash/   DFlash
+    dflash2/  DFlash2 (DFlash + grouped dynamic convolutions + candidate selector)
     dspark/   DSpark (DFlash-style block + Markov head + confidence head)
     mtp/      the target's own MTP layer, fine-tuned (vLLM's method mtp)
 
@@ -14,7 +15,8 @@ What kinds share lives once beside them, grouped by concern, each group a packag
     headfiles/  head directories written and read, whatever the kind
     target/     what heads take from the target: weights, a start from its layers, vocabularies
 
-A kind imports the groups, never another kind; a group imports no kind.
+A kind imports the groups, never another kind (except DFlash2, which is DFlash plus parts,
+from ``dflash``); a group imports no kind.
 
 A new kind is a folder with a :class:`~draftsmith.drafters.protocol.Drafter` subclass and one
 line at the end of this file (or ``register(MyKind)`` from outside the package, before the command
@@ -29,6 +31,7 @@ from typing import Any
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.drafters.dflash import DFlash
+from draftsmith.drafters.dflash2 import DFlash2
 from draftsmith.drafters.dspark import DSpark
 from draftsmith.drafters.eagle1 import Eagle1
 from draftsmith.drafters.eagle3 import Eagle3
@@ -117,17 +120,19 @@ def head_method(config: dict[str, Any]) -> str | None:
     return None
 
 
-def kind_of_method(method: str) -> type[Drafter]:
-    """The kind a vLLM method serves heads of."""
-    for kind in KINDS.values():
-        if method in kind.methods:
-            return kind
+def kind_of_method(method: str, config: dict[str, Any] | None = None) -> type[Drafter]:
+    """The kind a vLLM method serves heads of; given a head's ``config.json``, the kind whose
+    head it is (DFlash and DFlash2 share ``method: dflash``), else the first registered."""
+    kinds = [kind for kind in KINDS.values() if method in kind.methods]
+    mine = [kind for kind in kinds if config is not None and kind.method_of(config) == method]
+    if mine or kinds:
+        return (mine or kinds)[0]
     raise ConfigError(f"method: {method!r} serves no drafter kind; use one of {head_methods()}")
 
 
 def head_methods() -> list[str]:
-    """Every vLLM method that serves a trained head."""
-    return [m for kind in KINDS.values() for m in kind.methods]
+    """Every vLLM method that serves a trained head (each once)."""
+    return list(dict.fromkeys(m for kind in KINDS.values() for m in kind.methods))
 
 
 # ----- callers that name the kind ------------------------------------------------------
@@ -179,3 +184,4 @@ register(Eagle1)
 register(DFlash)
 register(DSpark)
 register(MTP)
+register(DFlash2)

@@ -12,8 +12,8 @@ from pathlib import Path
 from draftsmith import drafters
 from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.headfiles import read as headread
 from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.headfiles import read as headread
 
 MAX_K = 16
 REEXPORT = "re-export the head with `draftsmith export`"
@@ -57,8 +57,8 @@ def check_head(head: str, method: str, target: TargetInfo) -> dict:
         raise HeadError(
             f"method: {method!r} is unknown; use one of {sorted(drafters.head_methods())}."
         )
-    kind = drafters.kind_of_method(method)
     config = read_head_config(head)
+    kind = drafters.kind_of_method(method, config)
     weights = sorted(Path(head).glob("*.safetensors"))
     if not weights:
         raise HeadError(f"head: {head} has no .safetensors weights.")

@@ -1,5 +1,5 @@
 """`draftsmith convert`: a published EAGLE-3 or EAGLE-1 head, in any common layout, for a
-named consumer.
+named consumer; a DSpark or DFlash2 head between the layouts draftsmith writes for it.
 
     draftsmith convert --head yuhuili/EAGLE3-LLaMA3.1-Instruct-8B-local --to sglang \\
         --output outputs/heads/llama-eagle3-sglang --model meta-llama/Llama-3.1-8B-Instruct
@@ -12,6 +12,11 @@ eagle), each in the names and config keys the consumer's loader reads. ``--model
 head against the target (hidden size, vocabulary, shipped embeddings; for EAGLE-3 also tapped
 layers and vocabulary map) and gives the default taps ``[2, N // 2, N - 3]`` to an EAGLE-3
 head that names none. The serving command is printed.
+
+Block heads (``convert_block``) are read and rewritten by their kind: DSpark from vLLM's or
+speculators' layout to either (``drafters/dspark/export.py``), DFlash2 from vLLM's layout to
+vLLM's (``drafters/dflash2/export.py``: a new dtype, checked against ``--model``, which these
+need). A consumer draftsmith has no layout for is refused in one line.
 """
 
 from __future__ import annotations
@@ -28,29 +33,35 @@ from draftsmith.core.console import say
 from draftsmith.core.errors import exit_code
 from draftsmith.core.outputs import check_output
 from draftsmith.core.targets import TargetInfo, read_target
+from draftsmith.drafters import Drafter, get, head_method, kind_of_method
+from draftsmith.drafters.dflash2.export import read_vllm as read_dflash2
+from draftsmith.drafters.dspark.export import read_dspark
 from draftsmith.drafters.eagle1.layouts import eagle1_layout, fit_eagle1, read_eagle1
 from draftsmith.drafters.eagle1.layouts_write import serve_command as eagle1_command
 from draftsmith.drafters.eagle1.layouts_write import write_eagle1
 from draftsmith.drafters.eagle3.layouts import fit_to_target, read_head
 from draftsmith.drafters.eagle3.layouts_write import serve_command, write_head
 from draftsmith.drafters.headfiles.directory import CARD_MARK, HeadError
-from draftsmith.drafters.headfiles.read import HeadFacts, read_head_files
+from draftsmith.drafters.headfiles.read import HeadFacts, read_head_config, read_head_files
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BLOCK_READERS = {"dspark": read_dspark, "dflash2": read_dflash2}  # kind -> its head's reader
 
 
 @dataclass
 class ConvertConfig:
-    """Read an EAGLE-3 or EAGLE-1 head in any common layout and write it for one consumer."""
+    """Read an EAGLE-3 or EAGLE-1 head in any common layout and write it for one consumer (a
+    DSpark or DFlash2 head: in a layout draftsmith writes for it)."""
 
     head: str
     """The head directory (config.json and *.safetensors or pytorch_model.bin). EAGLE-3: the
     SafeAILab EAGLE, speculators, ModelOpt, SGLang / SpecForge or draftsmith layout. EAGLE-1:
-    the SafeAILab EAGLE, SGLang or draftsmith layout."""
+    the SafeAILab EAGLE, SGLang or draftsmith layout. DSpark: vLLM's or speculators' layout.
+    DFlash2: vLLM's layout."""
     to: Literal["vllm", "vllm-ascend", "sglang", "trtllm", "eagle", "speculators"]
     """The consumer: vllm, vllm-ascend (vllm's files, Ascend's limits checked), sglang,
     trtllm (also Dynamo), eagle (SafeAILab EAGLE), speculators (``vllm serve DIR`` alone).
-    EAGLE-1 heads: vllm, sglang and eagle."""
+    EAGLE-1 heads: vllm, sglang and eagle. DSpark: vllm and speculators. DFlash2: vllm."""
     output: str
     """Directory to write: config.json, model.safetensors, README.md. A directory convert
     wrote is replaced; anything else is refused."""
@@ -94,6 +105,8 @@ def convert(cfg: ConvertConfig) -> tuple[Path, HeadFacts, str]:
     command that serves it)."""
     check_parallelism(cfg)
     target = read_target(cfg.model) if cfg.model else None
+    if (kind := block_kind(read_head_config(cfg.head))) is not None:
+        return convert_block(cfg, target, kind)
     files = read_head_files(cfg.head)
     if eagle1_layout(*files) is not None:
         return convert_eagle1(cfg, target, files)
@@ -158,6 +171,45 @@ def convert_eagle1(
         verifier=verifier, num_speculative_tokens=k, dtype=dtype, tp=tp,
     )  # fmt: skip
     return out, facts, eagle1_command(cfg.to, out, verifier, k, tp)
+
+
+def block_kind(config: dict) -> type[Drafter] | None:
+    """The block kind (DSpark, DFlash2) a head's ``config.json`` is of, or None."""
+    if config.get("speculators_model_type") == "dspark":
+        return get("dspark")
+    method = head_method(config)
+    kind = kind_of_method(method, config) if method else None
+    return kind if kind is not None and kind.name in BLOCK_READERS else None
+
+
+def convert_block(
+    cfg: ConvertConfig, target: TargetInfo | None, kind: type[Drafter]
+) -> tuple[Path, HeadFacts, str]:
+    """``convert`` for a block head: read by its kind, written by its kind's ``export``."""
+    if cfg.to not in kind.layouts:
+        raise HeadError(
+            f"to: {cfg.to!r}; draftsmith writes {kind.title} heads as {' or '.join(kind.layouts)} "
+            f"only (no {cfg.to} layout for them here)"
+        )
+    if target is None:
+        raise HeadError(f"model: not given; a {kind.title} head is written for its target: give "
+                        "--model TARGET")  # fmt: skip
+    config = read_head_config(cfg.head)
+    head = BLOCK_READERS[kind.name](cfg.head)
+    source = DTYPES.get(str(config.get("torch_dtype", "float32")), torch.float32)
+    dtype = source if cfg.dtype == "source" else DTYPES[cfg.dtype]
+    layout = {"to": cfg.to} if cfg.to != "vllm" else {}
+    k = cfg.num_speculative_tokens
+    out = kind.export(head, target, Path(cfg.output), num_speculative_tokens=k, dtype=dtype,
+                      **layout)  # fmt: skip
+    facts = HeadFacts(
+        layout="speculators" if "speculators_config" in config else "vLLM",
+        source=cfg.head,
+        layer_ids=[i + 1 for i in head.target_layer_ids],
+        dtype=dtype,
+        kind=kind.title,
+    )
+    return out, facts, kind.serve_hint(out, read_head_config(out))
 
 
 def run_stage(cfg: ConvertConfig) -> int:

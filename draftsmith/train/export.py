@@ -115,7 +115,7 @@ def serve_hint(head_dir: Path) -> str:
     """How vLLM serves the exported head (its kind says)."""
     config = read_head_config(head_dir)
     method = drafters.head_method(config)
-    kind = drafters.kind_of_method(method) if method else drafters.get("eagle3")
+    kind = drafters.kind_of_method(method, config) if method else drafters.get("eagle3")
     return kind.serve_hint(head_dir, config)
 
 

@@ -64,13 +64,14 @@ class DFlash(Drafter):
         trained = opt.train_mask_embedding
         if trained is None:
             trained = not (spare and bool(weights.embed[mask_id].abs().sum() > 0))
-        head = dflash_from_target(
+        head = self.head_from_target(
             target.config,
             target_layer_ids=ids,
             mask_token_id=mask_id,
             num_layers=opt.num_layers,
             block_size=opt.block_size,
             train_mask_embedding=trained,
+            **self.head_options(),
         )
         head.set_embeddings(weights.embed)
         buffers = {}
@@ -84,11 +85,12 @@ class DFlash(Drafter):
             kept = draft_vocab(counts, opt.loss_vocab_size, eos_ids(target.config))
             covered = counts[kept].sum().item() / max(counts.sum().item(), 1)
             buffers["loss_lm_head"] = weights.lm_head[kept]
-            say(f"train: DFlash loss over the {kept.numel():,} most frequent ids ({covered:.2%} "
-                "of the loss tokens); drafting and validation over all ids")  # fmt: skip
+            say(f"train: {self.title} loss over the {kept.numel():,} most frequent ids "
+                f"({covered:.2%} of the loss tokens); drafting and validation over "
+                "all ids")  # fmt: skip
         how = "spare id past the tokenizer" if spare else "an id unused in the responses"
         how = "model.mask_token_id" if opt.mask_token_id is not None else how
-        say(f"train: DFlash mask token {mask_id} ({how}), "
+        say(f"train: {self.title} mask token {mask_id} ({how}), "
             f"{'trained' if trained else 'target'} embedding; target_layer_ids {ids}")  # fmt: skip
         info = {
             "head_kwargs": head.init_kwargs,
@@ -97,6 +99,11 @@ class DFlash(Drafter):
             "mask_token_spare": spare,
         }
         return Built(head, buffers, info)
+
+    def head_options(self) -> dict[str, Any]:
+        """Head arguments beyond DFlash's own, from the options (DFlash2: its convolution
+        and selector sizes)."""
+        return {}
 
     def loss(self, trainee: Trainee, batch: Batch) -> tuple[Tensor, TTTLoss]:
         return dflash_loss(trainee, self.options, batch)

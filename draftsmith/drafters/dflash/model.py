@@ -88,7 +88,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden_size, rms_norm_eps)
         attn = dict(num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads)
         self.layers = nn.ModuleList(
-            BlockLayer(hidden_size, intermediate_size, rms_norm_eps, head_dim=self.head_dim, **attn)
+            self.decoder_layer(
+                hidden_size, intermediate_size, rms_norm_eps, head_dim=self.head_dim, **attn
+            )
             for _ in range(num_layers)
         )
         if tie_k_norm:
@@ -104,6 +106,11 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
+
+    def decoder_layer(self, hidden_size: int, intermediate_size: int, eps: float,
+                      **attn: int) -> nn.Module:  # fmt: skip
+        """One decoder layer (DFlash2 overrides it to wrap the sublayers in convolutions)."""
+        return BlockLayer(hidden_size, intermediate_size, eps, **attn)
 
     def set_embeddings(self, weight: Tensor) -> None:
         """Copy the target's input embeddings [vocab, H]; a trained mask embedding starts
@@ -152,10 +159,13 @@ class DFlashDrafter(nn.Module):
         return self.norm(x, residual)[0]
 
 
-def dflash_from_target(target_config: dict[str, Any], **options: Any) -> DFlashDrafter:
-    """A drafter whose attention/rope/norm settings and vocabulary are the TARGET's
-    (``config.json``); ``options`` pass through (``target_layer_ids``, ``mask_token_id``,
-    ``num_layers``, ``block_size``, ``train_mask_embedding``)."""
+def dflash_from_target(
+    target_config: dict[str, Any], drafter: type[DFlashDrafter] = DFlashDrafter, **options: Any
+) -> DFlashDrafter:
+    """A ``drafter`` (DFlash's, or a subclass: DFlash2's) whose attention/rope/norm settings
+    and vocabulary are the TARGET's (``config.json``); ``options`` pass through
+    (``target_layer_ids``, ``mask_token_id``, ``num_layers``, ``block_size``,
+    ``train_mask_embedding``, a subclass's own)."""
     from draftsmith.core.targets import text_config
     from draftsmith.drafters.attention.llama import target_sizes
 
@@ -164,4 +174,4 @@ def dflash_from_target(target_config: dict[str, Any], **options: Any) -> DFlashD
         raise ValueError(f"only silu MLPs are supported, target uses {cfg['hidden_act']!r}")
     sizes = target_sizes(cfg)
     del sizes["max_position_embeddings"]  # vLLM builds the drafter's rope from the target's
-    return DFlashDrafter(**sizes, target_hidden_size=cfg["hidden_size"], **options)
+    return drafter(**sizes, target_hidden_size=cfg["hidden_size"], **options)

@@ -37,14 +37,20 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.dspark.model import DSparkDrafter
-from draftsmith.drafters.dspark.speculators import speculators_config, speculators_tensors
+from draftsmith.drafters.dspark.speculators import (
+    read_speculators,
+    speculators_config,
+    speculators_tensors,
+)
 from draftsmith.drafters.headfiles.directory import (
+    HeadError,
     block_head_fields,
     card_text,
     section,
     state_tensors,
     write_head_dir,
 )
+from draftsmith.drafters.headfiles.read import block_layer_kwargs, check_tensors, read_head_files
 from draftsmith.drafters.target.weights import load_target_weights
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -156,3 +162,30 @@ def model_card(
             f"```bash\nvllm serve {out_dir}\n```",
         ]
     return card_text(parts, target, spec, card)
+
+
+def read_dspark(head_dir: str | Path) -> DSparkDrafter:
+    """The drafter of a DSpark directory in either layout (``draftsmith convert``): the
+    speculators one (``speculators.read_speculators``), or vLLM's as ``export_dspark`` writes
+    it; refuses, in one line, a variant this drafter does not build."""
+    config, tensors = read_head_files(head_dir)
+    if "speculators_config" in config:
+        return read_speculators(head_dir)[0]
+    where = f"head: {head_dir}"
+    if (config.get("architectures") or ["?"])[0] != ARCHITECTURE:
+        raise HeadError(f"{where} is not a {ARCHITECTURE} directory; give one export wrote")
+    fixed = {"markov_head_type": "vanilla", "sample_from_anchor": True,
+             "confidence_head_with_markov": True}  # fmt: skip
+    for name, ours in fixed.items():
+        if config.get(name, ours) != ours:
+            raise HeadError(f"{where} has {name} {config[name]!r}; draftsmith's DSpark drafter "
+                            f"builds {name} {ours!r} only")  # fmt: skip
+    head = DSparkDrafter(
+        **block_layer_kwargs(config), target_layer_ids=config["target_layer_ids"],
+        mask_token_id=config["mask_token_id"], block_size=config["block_size"],
+        markov_rank=config["markov_rank"],
+        confidence_head=bool(config.get("enable_confidence_head", True)),
+    )  # fmt: skip
+    check_tensors("vLLM DSpark", head.state_dict(), tensors)
+    head.load_state_dict(tensors)  # copied into the drafter's float32
+    return head

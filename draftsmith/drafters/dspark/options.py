@@ -53,4 +53,5 @@ class DSparkOptions(HeadOptions, BlockOptions):
     """DSpark: slot i (0 = the first draft) weighs ``exp(-i / gamma)`` in every term."""
     simulate_only: bool = exclusive(False)
     """DSpark: train for a target vLLM has no DSpark drafter for (a Llama, say), to compare
-    simulated acceptance with other kinds on the same data; export and eval refuse the head."""
+    simulated acceptance with other kinds on the same data; export and eval refuse the head.
+    DFlash2: the same for a target vLLM cannot tap (from a given dataset)."""

@@ -7,6 +7,7 @@
   shipped embeddings, notes for the model card).
 - ``check_shipped_embeddings``: a head that ships ``embed_tokens`` must ship the target's:
   every consumer convert writes for shares the target's table.
+- ``block_layer_kwargs``: a block drafter's (DFlash2, DSpark) layer sizes from its vLLM config.
 
 Each kind's ``layouts.py`` turns the files into its head; no kind imports another.
 """
@@ -139,3 +140,14 @@ def check_tensors(layout: str, expected: dict[str, Tensor], found: dict[str, Ten
             raise HeadError(
                 f"head: {name} is {list(value.shape)}, the config says {list(expected[name].shape)}"
             )
+
+
+def block_layer_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """A block drafter's layer arguments (sizes, norm, rope, vocabulary, layer count, the
+    target's width) from its vLLM-layout ``config.json``: what ``headfiles.layer_fields`` wrote."""
+    from draftsmith.drafters.attention.llama import target_sizes
+
+    sizes = target_sizes(config)
+    del sizes["max_position_embeddings"]  # vLLM builds a block drafter's rope from its config
+    return {**sizes, "num_layers": config["num_hidden_layers"],
+            "target_hidden_size": config.get("target_hidden_size")}  # fmt: skip
