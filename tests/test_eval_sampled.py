@@ -68,10 +68,11 @@ def test_the_replica_replays_vllms_greedy_counts(sampled):
     greedy = next(r for r in results["runs"] if r["method"] == "eagle3" and r["temperature"] == 0)
     e, c = greedy["expected"], greedy["counters"]
     assert c["num_drafts"] > 0 and c["accepted_per_pos"][0] > 0
-    # At T=0 the expectation is the replay itself: the replica drafts what vLLM drafted.
+    # At T=0 the expectation is the replay itself: the replica drafts what vLLM drafted, and
+    # the drafts vLLM verified past each reply's end are counted on the target's continuation.
     assert e["replayed_drafts"] == c["num_drafts"]
-    assert e["replayed_accepted_per_pos"][0] == c["accepted_per_pos"][0]
-    assert e["flag"] is None or abs(e["relative_gap"]) < 0.1
+    assert e["replayed_accepted_per_pos"] == c["accepted_per_pos"], (e, c)
+    assert e["flag"] is None
     assert "Served vs expected acceptance at temperature 0.0" in report
     assert results["draft_sample_method"] == "greedy" and "Drafts drawn greedy" in report
 
