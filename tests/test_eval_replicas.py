@@ -23,9 +23,16 @@ HEADS = {  # kind: (target family, the head's options)
 }
 
 
-def exported(tmp_path, make_tiny_target, method: str):
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory, tiny_model_dir, make_tiny_target) -> dict:
+    """One tiny target per family the heads need."""
+    qwen3 = make_tiny_target(tmp_path_factory.mktemp("qwen3") / "qwen3", "qwen3", seed=2)
+    return {"llama": read_target(str(tiny_model_dir)), "qwen3": read_target(str(qwen3))}
+
+
+def exported(tmp_path, targets, method: str):
     family, options = HEADS[method]
-    target = read_target(str(make_tiny_target(tmp_path / "target", family, seed=2)))
+    target = targets[family]
     kind = drafters.kind_of_method(method)
     head = kind.head_from_target(target.config, **options)
     with torch.no_grad():
@@ -43,10 +50,8 @@ def exported(tmp_path, make_tiny_target, method: str):
 
 
 @pytest.mark.parametrize("method", list(HEADS))
-def test_replica_reads_the_export_and_drafts_from_its_streams_context(
-    tmp_path, make_tiny_target, method
-):
-    head, replica, target = exported(tmp_path, make_tiny_target, method)
+def test_replica_reads_the_export_and_drafts_from_its_streams_context(tmp_path, targets, method):
+    head, replica, target = exported(tmp_path, targets, method)
     mine = {n: v for n, v in replica.head.state_dict().items() if n != "embed_tokens"}
     theirs = head.state_dict()
     assert mine and all(torch.equal(v, theirs[n].float()) for n, v in mine.items()), method
