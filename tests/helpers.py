@@ -78,6 +78,13 @@ def serve_head(target, head, prompts: list[str], tmp_path, method: str, *extra: 
     run = next(r for r in runs if r["method"] == method)
     assert run["lossless"]["mismatches"] == [], run["lossless"]
     assert run["counters"]["num_accepted_tokens"] > 0, run
+    # The head's torch replica drafts what vLLM drafted: at T = 0 its replay of the served
+    # replies counts vLLM's own drafts and accepted drafts, position by position.
+    e, c = run["expected"], run["counters"]
+    print(f"{method}: replica {e['replayed_drafts']} drafts, {e['replayed_accepted_per_pos']} "
+          f"accepted; vLLM {c['num_drafts']}, {c['accepted_per_pos']}")  # fmt: skip
+    assert e["replayed_drafts"] == c["num_drafts"], (e, c)
+    assert e["replayed_accepted_per_pos"] == c["accepted_per_pos"], (e, c)
     return run
 
 

@@ -9,8 +9,15 @@ from collections import Counter
 import pytest
 import torch
 
-from draftsmith.evaluate.expected import Expected, compare, draft_probabilities, replay
+from draftsmith.evaluate.expected import Expected, acceptance, compare, replay
 from draftsmith.evaluate.sampling import check, chi2_sf, homogeneity
+
+
+def greedy_terms(tokens, drafts, p):
+    """accept / posterior of greedy drafts: accepted with p, exactly when the draft is served."""
+    n, k = drafts.shape
+    served = torch.stack([tokens[(torch.arange(n) + j + 2).clamp(max=n - 1)] for j in range(k)], 1)
+    return p, (drafts == served).float()
 
 
 def test_replay_walks_chains_as_vllm_does():
@@ -21,27 +28,128 @@ def test_replay_walks_chains_as_vllm_does():
     drafts[4] = torch.tensor([5, 0])  # next chain at 1 + 2 + 1 = 4: x[6]=5 right, x[7]=6 wrong
     p = torch.full((8, 2), 0.5)
     p[4, 1] = 0.25
-    out = replay(tokens, drafts, p, start=1)
+    out = replay(*greedy_terms(tokens, drafts, p), start=1)
     # chains at streams 1 and 4; the next, at 4 + 1 + 1 = 6, would draft x[8]: the reply
     # ended at x[7], so vLLM verifies nothing more (its last token ends the request).
     assert out.num_drafts == 2
     assert out.accepted_per_pos == [2, 1]
     assert out.expected_per_pos == [1.0, 0.75]  # stream 1: 0.5 + 0.5; stream 4: 0.5 + 0.25
     assert out.variance == pytest.approx(3 * 0.25 + 0.25 * 0.75)
+    # Rows past the served end (the target's greedy continuation at T = 0) score the drafts
+    # vLLM verified past the reply's last token; no chain starts there.
+    longer = torch.cat([tokens, torch.tensor([8])])
+    drafts = torch.cat([drafts, torch.full((1, 2), 9)])
+    drafts[6] = torch.tensor([6, 8])  # a chain at 6 (4 + 1 + 1): x[8] is past the reply
+    p = torch.cat([p, torch.full((1, 2), 0.5)])
+    out = replay(*greedy_terms(longer, drafts, p), start=1, end=8)
+    assert out.num_drafts == 2 and out.accepted_per_pos == [2, 1]  # unchanged: 6 + 2 >= 8
+    drafts[4] = torch.tensor([5, 6])  # stream 4 now has both right: x[7] = 6, then x[8] = 8?
+    drafts[4, 1] = 6
+    out = replay(*greedy_terms(longer, drafts, p), start=1, end=8)
+    assert out.accepted_per_pos == [2, 2] and out.num_drafts == 2
 
 
-def test_draft_probabilities_score_the_draft_at_its_position():
-    tokens = torch.tensor([0, 1, 2, 3, 0])
-    logits = torch.zeros(5, 4)
-    logits[1, 2] = 2.0  # position 1 predicts x[2]
-    drafts = torch.zeros(5, 1, dtype=torch.long)
-    drafts[0, 0] = 2  # stream 0, draft 0 drafts x[2]: scored by logits[1]
-    p = draft_probabilities(logits, drafts, tokens, temperature=0.5)
-    want = torch.softmax(logits[1] / 0.5, -1)[2]
-    assert p[0, 0] == pytest.approx(float(want))
-    greedy = draft_probabilities(logits, drafts, tokens, temperature=0.0)
-    # x[2] == 2, x[3] != 0, x[4] == 0; streams 3 and 4 have no token to check
-    assert greedy[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+def test_posterior_replay_by_hand():
+    """Random drafts: chains branch with the posterior that each draft was accepted."""
+    accept = torch.full((6, 2), 0.6)
+    posterior = torch.zeros(6, 2)
+    posterior[1] = torch.tensor([0.5, 1.0])  # chain at 1: x[3] accepted w.p. 0.5, then x[4] surely
+    posterior[2, 0] = 0.0  # a chain at 2 (draft 0 of 1 rejected) surely rejects x[4]
+    posterior[3, 0] = 1.0  # a chain at 3 accepts x[5]; its draft 1 (x[6]) is past the reply
+    out = replay(accept, posterior, start=1)
+    # Chain at 1 (mass 1); at 2 (0.5: draft 0 rejected); at 3 (0.5: chain at 2 rejected); a
+    # chain at 4 (chain 1 fully accepted, mass 0.5) would draft x[6]: the reply has ended.
+    assert out.num_drafts == pytest.approx(2.0)
+    assert out.accepted_per_pos == pytest.approx([1.0, 0.5])
+    assert out.expected_per_pos == pytest.approx([0.6 * 2, 0.6 * 0.5])
+    assert out.variance == pytest.approx(0.24 * 2.5)
+
+
+def test_acceptance_of_greedy_and_probabilistic_drafts_by_hand():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.2, 0.3, 0.5])
+    tokens = torch.tensor([0, 0, 0, 2])  # x[2] = 0, x[3] = 2
+    target = torch.zeros(4, 3)
+    target[1:3] = p.log()  # rows 1, 2 predict x[2], x[3]
+    draft = q.log().expand(4, 3).clone()
+    a, r = acceptance(target, draft, tokens, 0, 1.0, greedy=False)
+    # stream 0 drafts x[2] (served 0), stream 1 drafts x[3] (served 2); 2, 3 have no token
+    assert a.tolist() == pytest.approx([0.7, 0.7, 0.0, 0.0])  # sum min(p, q) = 0.2 + 0.3 + 0.2
+    assert r.tolist() == pytest.approx([0.4, 1.0, 0.0, 0.0])  # min(1, q(x) / p(x))
+    a, r = acceptance(target, draft, tokens, 0, 1.0, greedy=True)  # the argmax, 2, one-hot
+    assert a.tolist() == pytest.approx([0.2, 0.2, 0.0, 0.0]) and r.tolist() == [0, 1, 0, 0]
+    a, r = acceptance(target, draft, tokens, 0, 0.0, greedy=False)  # T = 0: greedy either way
+    assert a.tolist() == r.tolist() == [0, 1, 0, 0]
+    sharp = acceptance(target, draft, tokens, 0, 0.5, greedy=False)[0]  # p and q at T = 0.5
+    p2, q2 = torch.softmax(p.log() / 0.5, -1), torch.softmax(q.log() / 0.5, -1)
+    assert sharp[0] == pytest.approx(float(torch.minimum(p2, q2).sum()))
+    # Draft j = 1 of stream 0 drafts x[3], scored by the target's row 2.
+    a, r = acceptance(target, draft, tokens, 1, 1.0, greedy=False)
+    assert a.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.0]) and r[0] == pytest.approx(1.0)
+    # A reduced draft vocabulary: -inf logits outside it have q = 0.
+    reduced = draft.clone()
+    reduced[:, 0] = float("-inf")  # q = [0, 0.375, 0.625]
+    a, r = acceptance(target, reduced, tokens, 0, 1.0, greedy=False)
+    assert a[0] == pytest.approx(0.0 + 0.3 + 0.2) and r[0] == 0.0  # x = 0 was never drafted
+
+
+def test_lossless_rejection_sampling_meets_the_replay_in_mean():
+    """Speculative sampling simulated as vLLM runs it (drafts drawn from q, accepted with
+    min(1, p / q), else a token from max(0, p - q)): the served counts' mean meets the
+    replay's expected and posterior counts on the same replies."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny ops: threads only wait on each other
+    try:
+        simulate_and_replay()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def simulate_and_replay() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, k, v, start, replies = 12, 3, 4, 1, 1500
+    p = torch.softmax(2 * torch.randn(n, v, generator=g), -1)  # the target at each position
+    q = torch.softmax(2 * torch.randn(n, k, v, generator=g), -1)  # draft j of stream t
+    residual = (p[:, None, None] - q[None]).clamp(min=0)  # [pos, t, j, v]
+    pl, ql, rl = p.tolist(), q.tolist(), residual.tolist()
+    rng = random.Random(0)
+    served, replayed = [0] * k, Expected(accepted_per_pos=[0.0] * k, expected_per_pos=[0.0] * k)
+    target_logits = torch.cat([p[1:].log(), torch.zeros(1, v)])  # row i predicts x[i + 1]
+    for _ in range(replies):
+        tokens, t = [0] * n, start
+        while t + 2 < n:  # a chain at t
+            for j in range(k):
+                pos = t + j + 2
+                if pos >= n:  # the reply ends (max_tokens): nothing more is verified
+                    t = n
+                    break
+                d = rng.choices(range(v), ql[t][j])[0]
+                if rng.random() < min(1.0, pl[pos][d] / ql[t][j][d]):
+                    tokens[pos] = d
+                    served[j] += 1
+                    continue
+                tokens[pos] = rng.choices(range(v), rl[pos][t][j])[0]  # the recovered token
+                t += j + 1
+                break
+            else:  # all k accepted: the bonus token, then the next chain
+                t += k + 1
+                if t + 1 < n:
+                    tokens[t + 1] = rng.choices(range(v), pl[t + 1])[0]
+        x = torch.tensor(tokens)
+        accept, posterior = torch.zeros(n, k), torch.zeros(n, k)
+        for j in range(k):
+            accept[:, j], posterior[:, j] = acceptance(
+                target_logits, q[:, j].log(), x, j, 1.0, greedy=False
+            )
+        replayed.add(replay(accept, posterior, start))
+    sd = replayed.variance**0.5
+    for j in range(k):
+        assert abs(served[j] - replayed.expected_per_pos[j]) < 3 * sd, (j, served, replayed)
+        assert abs(served[j] - replayed.accepted_per_pos[j]) < 3 * sd, (j, served, replayed)
+    # Greedy drafts' acceptance (the target's probability of q's argmax) is another figure:
+    # the test tells the two apart.
+    greedy = sum(float(p[t + 2, q[t, 0].argmax()]) for t in range(start, n - 2)) / (n - 3)
+    assert abs(greedy - replayed.expected_per_pos[0] / replayed.num_drafts) > 0.1
 
 
 def sampled_walk(p_accept: float, steps: int, k: int, seed: int) -> tuple[dict, Expected]:
@@ -181,21 +289,21 @@ def test_draft_sample_method_vllm_lacks_is_refused(monkeypatch):
 @pytest.mark.parametrize(
     "options, why",
     [
-        ({"method": "dflash"}, "computed for eagle3 heads only, not dflash"),
-        ({"draft_sample_method": "probabilistic"}, "greedy drafts only"),
+        ({"method": "mtp"}, "mtp heads have no torch replica (kinds with one: eagle3, eagle, "),
         ({"mode": "server"}, "offline mode only"),
         ({}, "the torch replica failed (OSError: no target here)"),
     ],
 )
 def test_runs_without_an_expectation_say_why(monkeypatch, options, why):
-    from draftsmith.evaluate import expected, runs
+    from draftsmith.evaluate import replay, runs
     from draftsmith.evaluate.config import EvalConfig
-    from draftsmith.evaluate.main import add_expected
 
     def no_replica(*args):
         raise OSError("no target here")
 
-    monkeypatch.setattr(expected, "DraftReplica", no_replica)
+    if not options:
+        monkeypatch.setattr(replay, "TargetReplica", no_replica)
+    monkeypatch.setattr("draftsmith.drafters.eagle3.replica.Eagle3Replica", lambda *a: object())
     cfg = EvalConfig(head="head", **{"method": "eagle3", **options})
     rec = {
         "method": cfg.method,
@@ -205,5 +313,38 @@ def test_runs_without_an_expectation_say_why(monkeypatch, options, why):
         "counters": {"num_drafts": 1},
     }
     outputs = {(runs.Method(cfg.method, 3), "d", 1.0): [[1, 2]]}
-    add_expected(cfg, None, [rec], outputs, {"d": [[0]]})
+    replay.add_expected(cfg, None, [rec], outputs, {"d": [[0]]})
     assert why in rec["expected_skipped"] and "expected" not in rec
+
+
+def test_report_marks_simulated_rows_and_says_why_the_head_was_not_served(tmp_path):
+    from test_eval_report import make_results
+
+    from draftsmith.evaluate.config import EvalConfig
+    from draftsmith.evaluate.replay import simulated_row
+    from draftsmith.evaluate.report import summary_table, write_report
+
+    results = make_results()
+    results["head"]["method"] = "dspark"
+    results["runs"] = [r for r in results["runs"] if r["method"] == "none"]
+    cfg = EvalConfig(head="h", method="dspark")
+    replayed = Expected(num_drafts=10, accepted_per_pos=[5.0, 2.0, 1.0],
+                        expected_per_pos=[5.0, 2.0, 1.0])  # fmt: skip
+    row = simulated_row(cfg, "mt_bench", 0.0, 80, 3, replayed)
+    assert row["acceptance_length"] == pytest.approx(1.8) and row["counters"] is None
+    assert row["simulated"]["replayed_accepted_per_pos"] == [5, 2, 1]
+    results["runs"].append(row)
+    command = 'vllm serve T --speculative-config \'{"method": "dspark"}\''
+    results["head_not_served"] = {"reason": "vLLM serves DSpark heads only in its GPU model "
+                                  "runner, not on this CPU build", "command": command,
+                                  "simulated_skipped": None}  # fmt: skip
+    text = write_report(results, tmp_path, wandb=False).read_text(encoding="utf-8")
+    assert "| dspark (simulated) | 3 | 1.800 | – | 0.50 / 0.20 / 0.10 |" in text
+    line = next(x for x in text.splitlines() if "was not served" in x)
+    assert "GPU model runner" in line and f"`{command}`" in line
+    assert "its rows below are simulated" in line and "Rows marked (simulated)" in text
+    assert (tmp_path / "acceptance_length_vs_k.png").is_file()
+    assert "dspark (simulated)" in summary_table(results)
+    results["head_not_served"]["simulated_skipped"] = "the torch replica failed (OSError: x)"
+    text = write_report(results, tmp_path, wandb=False).read_text(encoding="utf-8")
+    assert "no simulated rows (the torch replica failed (OSError: x))" in text

@@ -51,6 +51,13 @@ def read_head_config(head: str) -> dict:
     return headread.read_head_config(head, REEXPORT)
 
 
+def head_kind(cfg) -> type[drafters.Drafter]:
+    """The kind of ``cfg.head`` served with ``cfg.method`` (DFlash and DFlash2 share ``dflash``:
+    the head's ``config.json`` tells them apart)."""
+    config = read_head_config(cfg.head) if cfg.head else None
+    return drafters.kind_of_method(cfg.method, config)
+
+
 def check_head(head: str, method: str, target: TargetInfo) -> dict:
     """Validate a head directory against `target`; return the head's config."""
     if method not in drafters.head_methods():

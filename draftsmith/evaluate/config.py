@@ -42,9 +42,11 @@ class EvalConfig:
     in the rejection test); null: vLLM's default (greedy in 0.32). Refused when the installed
     vLLM lacks the option or the value; the report names what ran."""
     expected_acceptance: bool = True
-    """Recompute an EAGLE-3 head's greedy drafts in torch on the served replies and report
-    served acceptance against expected (the target's probability of each draft at the
-    temperature), flagging gaps over 5%. One target forward per reply (seconds on CPU)."""
+    """Recompute the head's drafts in torch on the served replies (its kind's replica: EAGLE-3,
+    P-EAGLE, EAGLE-1, DFlash, DSpark) and report served acceptance against expected (each
+    draft's acceptance probability at the temperature: the target's probability of a greedy
+    draft, sum_x min(p, q) of a probabilistic one), flagging gaps over 5%. One target forward
+    per reply (seconds on CPU). A head vLLM cannot serve here is simulated this way anyway."""
     sampling_check: bool = False
     """At each temperature > 0, sample the first `sampling_check_tokens` reply tokens
     `sampling_check_samples` times for `sampling_check_prompts` prompts with every method and

@@ -61,7 +61,7 @@ def device_name() -> str:
 def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     """Run every method, derive, compare; return results.json's dict and every generation."""
     from draftsmith.core.engine import engine_kwargs
-    from draftsmith.evaluate import runs
+    from draftsmith.evaluate import replay, runs
 
     ks = check_k(cfg.k)
     if "suffix" in cfg.baselines and importlib.util.find_spec("arctic_inference") is None:
@@ -99,6 +99,11 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
 
     records, outputs, draws = [], {}, {}
     methods = runs.plan_methods(cfg, ks)
+    unserved = replay.not_served(cfg, target, ks)
+    if unserved:  # the head is simulated on no speculation's replies, which must be there
+        methods = [runs.Method("none")] + [m for m in methods if m.name not in ("none", cfg.method)]
+        say(f"eval: {cfg.method} not served: {unserved['reason']}; its acceptance is simulated "
+            f"on no speculation's replies. On a GPU: {unserved['command']}")  # fmt: skip
     n_prompts = sum(map(len, prompts.values()))
     say(f"eval: {len(methods)} engines x {n_prompts} prompts ({', '.join(prompts)})")
     bar = progress(len(methods), "eval", unit="engine")
@@ -145,8 +150,14 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         if cfg.head and rec["method"] == cfg.method and rec["temperature"] == 0.0:
             got = outputs[(runs.Method(rec["method"], rec["k"]), rec["dataset"], 0.0)]
             rec["draft_vocab_coverage"] = runs.draft_vocab_coverage(cfg.head, got)
-    if cfg.head and cfg.expected_acceptance:
-        add_expected(cfg, target, records, outputs, prompts)
+    if unserved:
+        rows, why = replay.add_simulated(cfg, target, outputs, prompts, ks)
+        records += rows
+        unserved["simulated_skipped"] = why
+        if why:
+            say(f"eval: simulated acceptance skipped: {why}")
+    elif cfg.head and cfg.expected_acceptance:
+        replay.add_expected(cfg, target, records, outputs, prompts)
     sampling = None
     if cfg.sampling_check:
         from draftsmith.evaluate.sampling import check
@@ -179,54 +190,13 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         if cfg.head
         else None,
         "draft_sample_method": runs.draft_sample_method_used(cfg),
+        "head_not_served": unserved,
         "vllm_defects": known,
         "overlap": overlap,
         "skipped": skipped,
         "sampling_check": sampling,
         "runs": records,
     }, generations
-
-
-def add_expected(cfg: EvalConfig, target, records: list[dict], outputs: dict, prompts) -> None:
-    """Each head run's served acceptance against what the target's probabilities of the head's
-    drafts predict (``expected.py``), as ``rec["expected"]``; runs it cannot recompute say why
-    in ``rec["expected_skipped"]``."""
-    from draftsmith.evaluate import runs
-    from draftsmith.evaluate.expected import DraftReplica, compare
-
-    why = None
-    if cfg.method != "eagle3":
-        why = f"computed for eagle3 heads only, not {cfg.method}"
-    elif runs.draft_sample_method_used(cfg) != "greedy":
-        why = "computed for greedy drafts only (draft_sample_method: probabilistic)"
-    elif cfg.mode != "offline":
-        why = "computed in offline mode only (the server renders its own prompts)"
-    heads = [r for r in records if r["method"] == cfg.method and r["counters"]]
-    if why:
-        for rec in heads:
-            rec["expected_skipped"] = why
-        say(f"eval: expected acceptance skipped: {why}")
-        return
-    replica = None
-    for rec in heads:
-        method = runs.Method(rec["method"], rec["k"])
-        replies = outputs[(method, rec["dataset"], rec["temperature"])]
-        try:  # after every engine ran, a replica that cannot run must not lose the results
-            replica = replica or DraftReplica(cfg.head, target)
-            got = replica.expected(prompts[rec["dataset"]], replies, rec["temperature"], rec["k"])
-        except Exception as err:
-            why = f"the torch replica failed ({type(err).__name__}: {err})"
-            say(f"eval: expected acceptance skipped: {why}")
-            for r in heads:
-                r.setdefault("expected_skipped", why)
-            return
-        rec["expected"] = compare(rec["counters"], got)
-        e = rec["expected"]
-        if e["flag"] == "gap":
-            say(f"eval: {rec['method']} k={rec['k']} on {rec['dataset']} at temperature "
-                f"{rec['temperature']}: served {e['served_per_draft']:.3f} accepted per draft, "
-                f"expected {e['expected_per_draft']:.3f}"
-                + (f" (z {e['z']:.1f})" if e["z"] is not None else ""))  # fmt: skip
 
 
 def main(args: list[str] | None = None) -> int:

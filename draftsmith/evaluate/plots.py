@@ -68,7 +68,8 @@ def plot_length_vs_k(runs: list[dict], method: str, title: str, path: Path) -> b
     for ax, (field, label) in zip(axes, fields.items(), strict=True):
         for i, (dataset, rs) in enumerate(head.items()):
             ks, ys = [r["k"] for r in rs], [r[field] for r in rs]
-            ax.plot(ks, ys, "o-", color=f"C{i}", label=dataset)
+            if None not in ys:  # simulated rows have no tokens/step
+                ax.plot(ks, ys, "o-", color=f"C{i}", label=dataset)
             for name, rows in others.items():
                 if dataset in rows:
                     ks, ys = zip(*((r["k"], r[field]) for r in rows[dataset]), strict=True)
@@ -158,7 +159,8 @@ def write_plots(results: dict, out_dir: Path) -> list[str]:
         temps = sorted({r["temperature"] for r in results["runs"]})
         for i, temperature in enumerate(temps):
             runs = [r for r in results["runs"] if r["temperature"] == temperature]
-            title = f"(temperature {float(temperature)})"
+            simulated = any(r.get("simulated") for r in runs if r["method"] == method)
+            title = f"({'simulated, ' if simulated else ''}temperature {float(temperature)})"
             for name, plot in PLOTS.items():
                 file = plot_name(name, temperature, i == 0)
                 if plot(runs, method, title, out_dir / file):

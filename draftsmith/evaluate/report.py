@@ -54,7 +54,7 @@ def cells(run: dict) -> list[str]:
         return DASH if derived else fmt(run.get(key), digits, suffix)
 
     return [
-        run["method"],
+        run["method"] + (" (simulated)" if run.get("simulated") else ""),
         k,
         fmt(run.get("acceptance_length"), 3),
         fmt(run.get("tokens_per_step"), 3),
@@ -134,18 +134,26 @@ def expected_cells(run: dict) -> list[str]:
     ]
 
 
-def expected_lines(runs: list[dict]) -> list[str]:
+DRAFT_ACCEPTANCE = {
+    "greedy": "the target's probability of each of the head's greedy drafts",
+    "probabilistic": "each of the head's sampled drafts accepted with sum_x min(p(x), q(x)) of "
+    "the target's p and the head's q",
+}
+
+
+def expected_lines(runs: list[dict], draft_sample_method: str | None = "greedy") -> list[str]:
     """report.md's served-vs-expected table of one (dataset, temperature) group."""
     rows = [r for r in runs if r.get("expected")]
     skipped = {r["expected_skipped"] for r in runs if r.get("expected_skipped")}
     lines = []
     if rows:
         temperature = float(rows[0]["temperature"])
+        how = DRAFT_ACCEPTANCE["greedy" if temperature == 0 else draft_sample_method or "greedy"]
         lines += [
             "",
-            f"Served vs expected acceptance at temperature {temperature} (expected: the "
-            "target's probability of each of the head's greedy drafts, recomputed on the "
-            "served replies; a gap over 5% beyond 3 standard errors is flagged):",
+            f"Served vs expected acceptance at temperature {temperature} (expected: {how}, "
+            "recomputed on the served replies; a gap over 5% beyond 3 standard errors is "
+            "flagged):",
             "",
             "| " + " | ".join(EXPECTED_COLUMNS) + " |",
             "|" + "---|" * len(EXPECTED_COLUMNS),
@@ -185,6 +193,24 @@ def sampling_lines(results: dict) -> list[str]:
     return lines
 
 
+SIMULATED = (
+    "Rows marked (simulated) were not served: they are the head's drafts replayed on the "
+    "replies no speculation served, each accepted with its expected probability, as vLLM "
+    "would count them (acceptance only, no timing)."
+)
+
+
+def not_served_line(results: dict) -> str | None:
+    """One line: why the head was not served here and the command that serves it."""
+    gone = results.get("head_not_served")
+    if not gone:
+        return None
+    why = gone.get("simulated_skipped")
+    rows = f"no simulated rows ({why})" if why else "its rows below are simulated"
+    return (f"**The head was not served:** {gone['reason']}; {rows}. To serve it on a GPU: "
+            f"`{gone['command']}`")  # fmt: skip
+
+
 def summary_table(results: dict) -> str:
     """A compact plain-text table for the terminal: one row per run."""
     header = ["dataset", "temp", "method", "k", "acc len", "tok/step", "per position", "tok/s"]
@@ -209,6 +235,8 @@ def summary_table(results: dict) -> str:
         failed = sum(not c["passed"] for c in checks)
         notes.append(f"sampling check: {len(checks) - failed}/{len(checks)} passed")
     notes += [f"WARNING: {line}" for line in results.get("vllm_defects") or []]
+    if gone := not_served_line(results):
+        notes.append(gone.replace("**", "").replace("`", ""))
     table = [line(header), line(["-" * w for w in widths]), *map(line, rows), *notes]
     return "\n".join([setup_line(results), *table])
 
@@ -262,6 +290,8 @@ def markdown(results: dict, plots: list[str]) -> str:
     ]
     for line in results.get("vllm_defects") or []:
         lines += ["", f"**Warning: {line}.** Only the temperature 0 tables stand."]
+    if line := not_served_line(results):
+        lines += ["", line]
     if head and results.get("draft_sample_method"):
         lines += ["", f"Drafts drawn {results['draft_sample_method']} (vLLM's "
                   "`draft_sample_method`) at every temperature > 0."]  # fmt: skip
@@ -292,7 +322,9 @@ def markdown(results: dict, plots: list[str]) -> str:
                 f"{100 * cover['covered']:.1f}% of the target's {cover['tokens']:,} greedy output "
                 "tokens here; the rest can never be drafted.",
             ]
-        lines += expected_lines(runs)
+        lines += expected_lines(runs, results.get("draft_sample_method"))
+        if any(r.get("simulated") for r in runs):
+            lines += ["", SIMULATED]
         bad = [r for r in runs if r.get("lossless") and r["lossless"]["mismatches"]]
         if bad:
             lines += ["", "Greedy outputs that differ from no speculation:", ""]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import drafters
+from draftsmith.evaluate.checks import head_kind
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tokens_per_step
 
@@ -34,7 +35,7 @@ class Method:
         if self.name == "ngram":
             spec["prompt_lookup_min"], spec["prompt_lookup_max"] = cfg.ngram_lookup
         elif self.name in drafters.head_methods():  # the head's kind says how vLLM serves it
-            kind = drafters.kind_of_method(self.name)
+            kind = head_kind(cfg) if self.name == cfg.method else drafters.kind_of_method(self.name)
             spec = kind.speculative_config(self.name, cfg.head, self.k)
         elif self.name == "draft_model":
             spec["model"] = cfg.draft_model

@@ -3,7 +3,8 @@ input ids and positions, and the attention mask over (context keys, block keys).
 
 A block anchored at row position ``a`` is ``[x_a, MASK, ..., MASK]`` at positions
 ``a .. a + bs - 1``; it sees the context of its own document before ``a`` and its own
-slots (both directions), as vLLM's block drafters do.
+slots (both directions), as vLLM's block drafters do. ``block_states`` drafts a block at every
+position of one sequence (the kinds' eval replicas).
 """
 
 from __future__ import annotations
@@ -49,3 +50,28 @@ def block_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, block_size: int) 
     block = torch.arange(a, device=anchors.device).repeat_interleave(block_size)  # [Q]
     own = (block[:, None] == block[None, :]).expand(b, -1, -1)  # [B, Q, Q]
     return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+ANCHORS = 64  # blocks per drafter pass in ``block_states``
+
+
+def block_states(head, tokens: Tensor, states: Tensor, block_size: int) -> Tensor:
+    """[L, bs, H]: row t holds the block anchored at ``tokens[t + 1]`` (its context: tokens
+    ``0..t``), the final-normed states of its slots; the last row (no anchor) is zero.
+
+    ``head``: a block drafter, ``head(ids, positions, states, context positions, mask)``;
+    tokens [L]; states [L, n_ctx, H_target], the tapped states in ascending layer order.
+    """
+    n = tokens.numel()
+    positions = torch.arange(n)[None]
+    docs = torch.zeros(1, n, dtype=torch.long)
+    aux = states.reshape(1, n, -1)
+    out = torch.zeros(n, block_size, head.hidden_size)
+    for lo in range(1, n, ANCHORS):
+        anchors = torch.arange(lo, min(lo + ANCHORS, n))[None]  # a = t + 1
+        keep = torch.ones_like(anchors, dtype=torch.bool)
+        ids, pos = block_inputs(tokens[None], positions, anchors, block_size, head.mask_token_id)
+        mask = block_mask(anchors, keep, docs, block_size)
+        slots = head(ids, pos, aux, positions, mask)[0]  # [A * bs, H]
+        out[anchors[0] - 1] = slots.view(anchors.shape[1], block_size, -1)
+    return out

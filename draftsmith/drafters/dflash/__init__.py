@@ -4,6 +4,7 @@
 - ``blocks.py``: training blocks (anchors, block mask, slot targets, the weighted loss).
 - ``objective.py``: the objective and the validation walk.
 - ``export.py``: the directory vLLM serves with ``method: dflash``.
+- ``replica.py``: an exported drafter drafting as vLLM serves it (eval's expected acceptance).
 
 Mask token: ``vocab.choose_mask_token``. The mask slots' input vector is trained
 (``mask_embedding.pt`` in the export) unless ``model.train_mask_embedding: false``; with the
@@ -125,6 +126,12 @@ class DFlash(Drafter):
     ) -> None:
         ids = (config.get("dflash_config") or {}).get("target_layer_ids")
         check_block_taps(head, ids, "dflash_config.target_layer_ids", shapes, target)
+
+    @classmethod
+    def replica(cls, head_dir: str, method: str, target: TargetInfo):
+        from draftsmith.drafters.dflash.replica import DFlashReplica
+
+        return DFlashReplica(head_dir, target)
 
     @classmethod
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:

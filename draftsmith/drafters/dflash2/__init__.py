@@ -11,6 +11,7 @@ pieces; everything else lives here:
 - ``model.py``: the drafter (vLLM's ``DFlash2Qwen3ForCausalLM``), a DFlash warm start.
 - ``objective.py``: DFlash's loss plus the selector's K-way cross-entropy; the walk at T = 0, 1.
 - ``export.py``: the directory vLLM loads, read back for ``draftsmith convert``.
+- ``replica.py``: an exported drafter drafting as vLLM serves it (eval simulates with it).
 - ``options.py``: the options and where their defaults come from.
 
 Sources: vLLM #52816 (``qwen3_dflash2.py``, ``spec_decode/dflash2/speculator.py``, read in the
@@ -129,6 +130,12 @@ class DFlash2(DFlash):
     def export(cls, head, target, out_dir, **kwargs: Any) -> Path:
         check_target(target, {"conv_group_size": head.conv_group_size})
         return export_dflash2(head, target, out_dir, **kwargs)
+
+    @classmethod
+    def replica(cls, head_dir: str, method: str, target: TargetInfo):
+        from draftsmith.drafters.dflash2.replica import DFlash2Replica
+
+        return DFlash2Replica(head_dir, target)
 
     @classmethod
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:

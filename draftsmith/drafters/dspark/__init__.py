@@ -6,12 +6,14 @@ right, and a confidence head (``model.kind: dspark``; vLLM's ``method: dspark``)
 - ``objective.py``: the CE + TV + confidence objective and the validation walk (T = 0, 1).
 - ``export.py``: the directory vLLM loads (``to``: vLLM's layout, or speculators').
 - ``speculators.py``: vllm-project/speculators' DSpark layout, written and read back.
+- ``replica.py``: an exported drafter drafting as vLLM serves it (eval simulates with it).
 - ``options.py``: the options and where their defaults come from.
 
 Targets: vLLM 0.32 has a Qwen3-layer DSpark drafter (``Qwen3DSparkModel``), built here, and a
 Gemma 4 one (``Gemma4DSparkModel``, Gemma 4 draft layers), not built here; any other target
 is refused when the kind first sees it (``check_target``). vLLM serves DSpark only in its V2
-GPU model runner, so a DSpark head cannot be served on the CPU build.
+GPU model runner, so a DSpark head cannot be served on the CPU build: eval simulates it there
+(``cpu_serving``, ``replica``).
 """
 
 from __future__ import annotations
@@ -154,6 +156,12 @@ class DSpark(Drafter):
             check_block_taps(head, ids, "aux_hidden_state_layer_ids (- 1)", shapes, target)
             return
         check_block_taps(head, config.get("target_layer_ids"), "target_layer_ids", shapes, target)
+
+    @classmethod
+    def replica(cls, head_dir: str, method: str, target: TargetInfo):
+        from draftsmith.drafters.dspark.replica import DSparkReplica
+
+        return DSparkReplica(head_dir, target)
 
     @classmethod
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:

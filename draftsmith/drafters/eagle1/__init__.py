@@ -3,6 +3,7 @@ fused by ``fc``, then Llama layers; logits from the target's own lm_head.
 
 - ``head.py``: the head, weight for weight vLLM's ``EagleLlamaForCausalLM``.
 - ``export.py``: the directory vLLM serves (``vllm serve DIR``).
+- ``replica.py``: an exported head drafting as vLLM serves it (eval's expected acceptance).
 - ``layouts.py`` / ``layouts_write.py``: published EAGLE-1 heads read and written for each
   consumer (``draftsmith convert``).
 
@@ -123,3 +124,9 @@ class Eagle1(Drafter):
     @classmethod
     def export(cls, head, target, out_dir, **kwargs: Any) -> Path:
         return export_eagle1(head, target, out_dir, **kwargs)
+
+    @classmethod
+    def replica(cls, head_dir: str, method: str, target: TargetInfo):
+        from draftsmith.drafters.eagle1.replica import Eagle1Replica
+
+        return Eagle1Replica(head_dir, target)

@@ -4,6 +4,7 @@
 - ``options.py``: its ``model.*`` options.
 - ``parallel.py``: P-EAGLE's objective (``model.parallel_drafting``): all k drafts in one pass.
 - ``export.py``: the directory vLLM serves (``vllm serve DIR``), and the checks of one.
+- ``replica.py``: an exported head drafting as vLLM serves it (eval's expected acceptance).
 - ``layouts.py`` / ``layouts_write.py``: heads published in other layouts read, and written
   for other consumers (``draftsmith convert``).
 
@@ -210,6 +211,12 @@ class Eagle3(Drafter):
     @classmethod
     def check_head(cls, head, method, config, shapes, target) -> None:
         check_eagle3_head(head, method, config, shapes, target)
+
+    @classmethod
+    def replica(cls, head_dir: str, method: str, target: TargetInfo):
+        from draftsmith.drafters.eagle3.replica import Eagle3Replica
+
+        return Eagle3Replica(head_dir, method, target)
 
     @classmethod
     def speculative_config(cls, method: str, head_dir: str, k: int) -> dict[str, Any]:

