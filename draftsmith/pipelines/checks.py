@@ -14,8 +14,31 @@ from typing import Any
 
 from draftsmith import drafters
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import EMBEDDED, read_target, validate_layer_ids
+from draftsmith.core.targets import EMBEDDED, TargetInfo, read_target, validate_layer_ids
+from draftsmith.evaluate.checks import check_baselines
 from draftsmith.pipelines.config import PipelineConfig, PipelineError
+
+
+def check_refusals(cfg: PipelineConfig, target: TargetInfo) -> None:
+    """What no stage could do for this target, refused before any engine starts (the run
+    asks too): a target vLLM cannot tap, a kind that cannot train for it, a baseline it
+    cannot serve (target_mtp without MTP layers)."""
+    if not cfg.data and (refusal := target.eagle3_refusal):
+        raise PipelineError(
+            f"model: {target.architecture} cannot be tapped: {refusal}; draftsmith trains "
+            "heads for targets vLLM implements SupportsEagle3 for"
+        )
+    model: dict[str, Any] = (cfg.train or {}).get("model") or {}
+    try:  # a kind that cannot train for this target says so before the extraction runs
+        drafters.get(str(model.get("kind", "eagle3"))).check_target(target, model)
+    except DraftsmithError as err:
+        raise PipelineError(f"train.{err}") from None
+    baselines = (cfg.eval or {}).get("baselines")
+    if isinstance(baselines, list):
+        try:
+            check_baselines(baselines, target)
+        except DraftsmithError as err:
+            raise PipelineError(f"eval.{err}") from None
 
 
 def check_against_target(cfg: PipelineConfig) -> list[str]:
@@ -27,11 +50,7 @@ def check_against_target(cfg: PipelineConfig) -> list[str]:
     if not local:  # a hub id: a dry run reaches no network; the run reads its config
         return [f"target   unchecked: {cfg.model} is a hub id (the run checks its config.json)"]
     target = read_target(cfg.model)
-    if not cfg.data and (refusal := target.eagle3_refusal):
-        raise PipelineError(
-            f"model: {target.architecture} cannot be tapped: {refusal}; draftsmith trains "
-            "heads for targets vLLM implements SupportsEagle3 for"
-        )
+    check_refusals(cfg, target)
     n, vocab = target.num_hidden_layers, target.vocab_size
     context = target.max_position_embeddings
     problems: list[str] = []
@@ -44,10 +63,6 @@ def check_against_target(cfg: PipelineConfig) -> list[str]:
             problems.append(f"extract.{err}")
 
     model: dict[str, Any] = (cfg.train or {}).get("model") or {}
-    try:  # a kind that cannot train for this target says so before the extraction runs
-        drafters.get(str(model.get("kind", "eagle3"))).check_target(target, model)
-    except DraftsmithError as err:
-        raise PipelineError(f"train.{err}") from None
     draft_vocab = model.get("draft_vocab_size")
     if isinstance(draft_vocab, int) and draft_vocab > vocab:
         problems.append(

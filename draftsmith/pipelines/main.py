@@ -136,6 +136,10 @@ def _quiet_lightning():
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
     """Run (or resume) the pipeline; return the state written to pipeline.json."""
+    from draftsmith.core.targets import read_target
+    from draftsmith.pipelines.checks import check_refusals
+
+    check_refusals(cfg, read_target(cfg.model))  # tappable, kind, baselines: before any engine
     plan = Plan(cfg)
     out = check_output(cfg.output, "output", PIPELINE_OWN, overwrite=cfg.overwrite)
     last = STAGES.index(cfg.stop_after)
