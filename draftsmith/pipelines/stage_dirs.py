@@ -14,7 +14,6 @@ from typing import Any
 
 import yaml
 
-from draftsmith import drafters
 from draftsmith.dataset.manifest import read_manifest
 from draftsmith.evaluate.checks import check_k
 from draftsmith.evaluate.config import EvalConfig
@@ -137,6 +136,7 @@ class Plan:
         if not self.layers_of:
             return {}
         if self._layer_ids is None:
+            from draftsmith import drafters
             from draftsmith.core.targets import read_target
 
             n = read_target(self.cfg.model).num_hidden_layers
@@ -204,6 +204,8 @@ def kind_picking_layers(cfg: PipelineConfig) -> str | None:
     ``extract.layer_ids`` is not given; else None (an unknown kind: the train stage says so)."""
     if cfg.data or (cfg.extract or {}).get("layer_ids") is not None:
         return None
+    from draftsmith import drafters
+
     kind = str(((cfg.train or {}).get("model") or {}).get("kind", "eagle3"))
     if kind not in drafters.names() or drafters.get(kind).extract_layer_ids(1) is None:
         return None
