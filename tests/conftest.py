@@ -614,3 +614,12 @@ def build_mtp_target(
 def make_mtp_target(smollm2_dir):
     """Builder of tiny MTP targets: ``make_mtp_target(out_dir, "mimo", seed=1)``."""
     return lambda out, family, **kw: build_mtp_target(out, smollm2_dir, family, **kw)
+
+
+@pytest.fixture(scope="session")
+def mtp_targets(tmp_path_factory, smollm2_dir) -> dict[str, Path]:
+    """One tiny target per MTP family trained and served here (seed 1, ``norm_scale`` 8),
+    built once for every test module that reads them (none of them writes into them)."""
+    root = tmp_path_factory.mktemp("mtp-targets")
+    families = ("mimo", "ernie4_5_moe", "glm4_moe", "qwen3_next")
+    return {f: build_mtp_target(root / f, smollm2_dir, f, seed=1, norm_scale=8.0) for f in families}

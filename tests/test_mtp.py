@@ -1,15 +1,12 @@
 """MTP fine-tuning (``model.kind: mtp``): the per-family table held to vLLM's source, each
 family's layer read from its target, exported and loaded by vLLM's own MTP module on CPU
-with equal outputs, the recursive objective by hand, targets without MTP layers refused in
-one line, and tiny targets fine-tuned through the train CLI and served by vLLM (lossless,
-acceptance above the layer they started from)."""
+with equal outputs, the recursive objective by hand, and targets without MTP layers refused
+in one line. Fine-tuned through the pipeline and served by vLLM: tests/test_mtp_pipeline.py."""
 
 from __future__ import annotations
 
 import inspect
 import json
-import math
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,12 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVED = ("mimo", "ernie4_5_moe", "glm4_moe", "qwen3_next")
 MTP_CLASSES = {"mimo": "MiMoMTP", "ernie4_5_moe": "ErnieMTP", "glm4_moe": "Glm4MoeMTP",
                "qwen3_next": "Qwen3NextMTP"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def mtp_targets(tmp_path_factory, make_mtp_target) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mtp-targets")
-    return {f: make_mtp_target(root / f, f, seed=1, norm_scale=8.0) for f in SERVED}
 
 
 # ----- the state vLLM feeds, per family --------------------------------------------------
@@ -369,158 +360,7 @@ def test_target_layer_exports_into_vllms_mtp_module_with_equal_outputs(
     assert_vllm_matches(family, mtp_targets[family], head, head_dir, weights)
 
 
-# ----- fine-tuned, exported and served ------------------------------------------------------
-K = 2
-TRAIN = [f"Write a short note about topic number {i}." for i in range(16)]
-TOPICS = ("rivers", "bread", "chess", "owls", "tea", "glass", "comets", "maps")
-HELD_OUT = [f"Tell me something about {t}." for t in TOPICS]
-
-
-def serve(target: Path, heads: dict[str, Path], prompts: list[str], k: int,
-          dtype: str = "float32") -> dict:  # fmt: skip
-    """Greedy replies of ``target`` alone and with each MTP draft directory in ``heads``
-    (vLLM-CPU, in this process); per head: the counters vLLM reports and whether its replies
-    equal the target's own. In bfloat16 (Qwen3-Next; prefix caching off, as vLLM requires with
-    speculation on its hybrid models) also the target's raw logits at each emitted token
-    (``logprobs_mode: raw_logits``): ``argmax`` says whether every token the run emitted is the
-    top logit of the target's own forward in that run, ``differences`` gives, per reply that
-    differs from the target's, the first differing position and both runs' top-2 logits there
-    (``ties``)."""
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-
-    from draftsmith.conversations.template import render_prompt
-
-    tok = AutoTokenizer.from_pretrained(target)
-    ids = [render_prompt(tok, [{"role": "user", "content": p}]) for p in prompts]
-    bf16 = dtype == "bfloat16"
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=False,
-                            logprobs=2 if bf16 else None)  # fmt: skip
-    extra = {"enable_prefix_caching": False, "logprobs_mode": "raw_logits"} if bf16 else {}
-    out: dict = {}
-    for name, head in {"target": None, **heads}.items():
-        spec = None if head is None else {"method": "mtp", "model": str(head),
-                                          "num_speculative_tokens": k}  # fmt: skip
-        llm = LLM(model=str(target), dtype=dtype, enforce_eager=True, max_model_len=512,
-                  speculative_config=spec, disable_log_stats=False, seed=0, **extra)  # fmt: skip
-        replies = [(list(r.outputs[0].token_ids), r.outputs[0].logprobs) for r in
-                   llm.generate([{"prompt_token_ids": p} for p in ids], params)]  # fmt: skip
-        metrics = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "value", None)
-                   for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}  # fmt: skip
-        del llm
-        if head is None:
-            out["replies"] = replies
-            continue
-        drafts, accepted = metrics["num_drafts"], metrics["num_accepted_tokens"]
-        out[name] = {"lossless": [r for r, _ in replies] == [r for r, _ in out["replies"]],
-                     "drafts": drafts, "accepted": accepted,
-                     "acceptance_length": 1 + accepted / max(drafts, 1)}  # fmt: skip
-        if bf16:
-            out[name] |= {"argmax": all(map(emitted_argmax, replies)),
-                          "differences": ties(out["replies"], replies)}  # fmt: skip
-    out["target_argmax"] = all(map(emitted_argmax, out["replies"])) if bf16 else None
-    return out
-
-
-def emitted_argmax(reply) -> bool:
-    """Whether each emitted token's raw logit is the top one of its position (ties allowed)."""
-    tokens, logits = reply
-    pairs = zip(tokens, logits, strict=True)
-    return all(lp[t].logprob == max(v.logprob for v in lp.values()) for t, lp in pairs)
-
-
-def bf16_ulp(x: float) -> float:
-    """The spacing of bfloat16 values (8 significant bits) at magnitude ``x``."""
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
-
-
-def ties(base: list, other: list) -> list[dict]:
-    """Per reply of ``other`` that differs from ``base``: the first differing position, both
-    runs' top-2 raw logits there and the base run's top-2 gap in bfloat16 ulps."""
-    rows = []
-    for i, ((a, la), (b, lb)) in enumerate(zip(base, other, strict=True)):
-        d = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-        if d is None:
-            continue
-        top = [sorted(((v.logprob, t) for t, v in lp[d].items()), reverse=True)[:2]
-               for lp in (la, lb)]  # fmt: skip
-        (z1, _), (z2, _) = top[0]
-        rows.append({"reply": i, "position": d, "tokens": (a[d], b[d]), "target_top2": top[0],
-                     "spec_top2": top[1], "gap_ulps": (z1 - z2) / bf16_ulp(z1),
-                     "shared_top2": {a[d], b[d]} <= {t for _, t in top[0]}})  # fmt: skip
-    return rows
-
-
-# Training, export and three engines take 5-7 minutes per family on the 2-core CPU: opt in with
-# DRAFTSMITH_MTP_SERVE=mimo,glm4_moe (or all). docs/mtp.md has the figures of each family.
-OPTED = os.environ.get("DRAFTSMITH_MTP_SERVE", "").split(",")
-
-
-def serve_param(family: str):
-    run = family in OPTED or "all" in OPTED
-    return pytest.param(
-        family,
-        marks=[]
-        if run
-        else [pytest.mark.skip(reason=f"5-7 min: DRAFTSMITH_MTP_SERVE={family} (or all) runs it")],
-    )
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("family", [serve_param(f) for f in SERVED])
-def test_fine_tuned_layer_serves_losslessly_and_beats_the_one_it_started_from(
-    family, mtp_targets, tmp_path, make_hf_dataset
-):
-    """The train CLI fine-tunes the target's MTP layer on its own greedy replies (the loss
-    falls); ``draftsmith export`` writes the draft directory; vLLM serves it and the layer
-    the target shipped on held-out prompts: both lossless, the fine-tuned one accepted more.
-
-    Qwen3-Next is served in bfloat16 (vLLM-CPU's gated-delta-net kernel has no float32 path),
-    where the verify pass (k + 1 tokens per step) rounds differently from one-token decoding,
-    so replies can part from the target's. Lossless there means: every token a speculative
-    run emits is the top logit of the target's forward in that run (speculation changed no
-    choice); each difference is reported with both runs' top-2 logits at its first position."""
-    pytest.importorskip("vllm")
-    from helpers import fit_then_validate
-
-    from draftsmith.cli import main as cli_main
-
-    target_dir = mtp_targets[family]
-    data = make_hf_dataset(tmp_path / "data", target_dir, TRAIN, max_new_tokens=48)
-    section = {
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_epochs": 12,
-                    "enable_progress_bar": False, "log_every_n_steps": 1, "logger": False},
-        "model": {"kind": "mtp", "mtp_steps": K, "lr": 3.0e-3, "warmup_steps": 2},
-        "data": {"data": str(data), "row_tokens": 256, "batch_size": 2, "val_fraction": 0,
-                 "num_workers": 0},
-    }  # fmt: skip
-    ckpt, simulated = fit_then_validate(section, tmp_path)
-    head = tmp_path / "head"
-    assert cli_main(["export", f"--checkpoint={ckpt}", f"--output={head}", "--dtype=float32"]) == 0
-    target, start, _ = read_layer(target_dir)
-    before = MTP.export(start, target, tmp_path / "before", num_speculative_tokens=K)
-    dtype = "bfloat16" if family == "qwen3_next" else "float32"
-    result = serve(target_dir, {"before": before, "after": head}, HELD_OUT, K, dtype)
-    print(f"\nmtp {family} ({dtype}): simulated (training prompts) {simulated:.3f}; served on "
-          f"held-out prompts: before {result['before']}, after {result['after']}")  # fmt: skip
-    if dtype == "float32":
-        assert result["before"]["lossless"] and result["after"]["lossless"], result
-    else:
-        assert result["target_argmax"], "the target alone emitted a token below its top logit"
-        for run in ("before", "after"):
-            assert result[run]["argmax"], (run, result[run])
-            for row in result[run]["differences"]:
-                print(f"{run}: reply {row['reply']} parts at {row['position']} "
-                      f"{row['tokens']}: target top-2 {row['target_top2']} "
-                      f"({row['gap_ulps']:.0f} bf16 ulps), speculative run's top-2 "
-                      f"{row['spec_top2']}, both tokens in the target's top-2: "
-                      f"{row['shared_top2']}")  # fmt: skip
-    # Measured (docs/mtp.md): MiMo 1.000 -> 1.168, ERNIE 1.000 -> 1.029, Qwen3-Next (bf16)
-    # 1.000 -> 1.008 on held-out prompts.
-    assert result["after"]["accepted"] > result["before"]["accepted"], result
-
-
+# ----- served (tests/test_mtp_pipeline.py runs the pipeline per family) -------------------
 def test_qwen3_next_engines_on_vllm_cpu_run_bf16_without_prefix_caching(tmp_path, monkeypatch):
     """vLLM-CPU runs Qwen3-Next in bfloat16 only, and its mtp speculation needs prefix caching
     off: every engine draftsmith starts for it says so; float32 is refused in one line."""

@@ -120,6 +120,29 @@ def test_content_addresses_follow_upstream_changes(tmp_path):
     assert c.dirs["train"] == a.dirs["train"] and c.dirs["eval"] != a.dirs["eval"]
 
 
+def test_the_mtp_kind_extracts_the_last_layer_alone_unless_layer_ids_are_given(tmp_path):
+    """MTP reads layer N only: with no extract.layer_ids its pipeline taps [N] (and its
+    validation set too), at an address of its own; ids given in the section win."""
+    target = tmp_path / "mimo"
+    target.mkdir()
+    config = {"architectures": ["MiMoForCausalLM"], "hidden_size": 128, "vocab_size": 1000,
+              "num_hidden_layers": 6, "num_nextn_predict_layers": 1}  # fmt: skip
+    (target / "config.json").write_text(json.dumps(config))
+    base = dict(model=str(target), output=str(tmp_path / "run"), extract={"data": ["a"]})
+    eagle3 = Plan(PipelineConfig(**base))
+    mtp = Plan(PipelineConfig(**base, train={"model": {"kind": "mtp"}},
+                              validation={"data": "b"}))  # fmt: skip
+    assert "layer_ids" not in eagle3.section("extract")  # extraction's default
+    assert mtp.section("extract")["layer_ids"] == [6]
+    assert mtp.validation_section()["layer_ids"] == [6]
+    assert mtp.dirs["extract"] != Plan(PipelineConfig(**base, validation={"data": "b"})).dirs[
+        "extract"]  # fmt: skip
+    given = dict(base, extract={"data": ["a"], "layer_ids": [3, 6]})
+    chosen = Plan(PipelineConfig(**given, train={"model": {"kind": "mtp"}}))
+    assert chosen.section("extract")["layer_ids"] == [3, 6]
+    assert chosen.dirs["extract"] == Plan(PipelineConfig(**given)).dirs["extract"]
+
+
 def test_a_stream_section_reaches_training_and_moves_both_addresses(tmp_path):
     budget = dict(output=str(tmp_path), time_budget="00:00:20:00", extract={"data": ["a"]})
     offline = Plan(PipelineConfig(**budget))
@@ -290,11 +313,13 @@ def test_missing_model_is_one_line_naming_the_option(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_pipeline_configs_dry_run(path, tmp_path, tiny_model_dir, capsys):
+def test_pipeline_configs_dry_run(path, tmp_path, tiny_model_dir, make_mtp_target, capsys):
     first = path.read_text().splitlines()[0]
     assert first.startswith("# draftsmith pipeline --config configs/pipelines/" + path.name)
     args = [f"--config={path}", f"--output={tmp_path}", "--dry_run=true"]
-    if path.name.startswith("tiny"):  # tiny.yaml, tiny-dflash.yaml: the model is given
+    if path.name == "tiny-mtp.yaml":  # a target that ships an MTP layer
+        args.append(f"--model={make_mtp_target(tmp_path / 'mimo', 'mimo')}")
+    elif path.name.startswith("tiny"):  # tiny.yaml, tiny-dflash.yaml: the model is given
         args.append(f"--model={tiny_model_dir}")
     assert pipeline_main(args) == 0
     printed = capsys.readouterr().out
@@ -412,7 +437,9 @@ def test_dry_run_checks_the_target_and_bad_input_is_one_line(tmp_path, tiny_mode
         ([*base, "--train.model.kind", "mtp"], "train.model.kind mtp: the target's architecture"),
         ([*base, "--train.model.kind", "dspark"], "train.model.kind dspark: the target's arch"),
         ([*base, "--eval.method", "eagle9"], "'eagle9' is not a choice; use one of ["),
-    ]
+        ([*base, "--eval.baselines", "[none, target_mtp]"],
+         "eval.baselines: target_mtp serves the target's own MTP layer, but LlamaForCausalLM"),
+    ]  # fmt: skip
     for args, said in cases:
         assert pipeline_main(args) == 2
         captured = capsys.readouterr()

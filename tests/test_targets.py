@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from draftsmith.core import targets
+from draftsmith.core import targets, vllm_taps
 from draftsmith.core.targets import eagle3_refusal
 
 
@@ -21,11 +21,43 @@ def fresh_cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "arch",
-    ["GraniteForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"],
-)
+    ["GraniteForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM",
+     "Qwen3NextForCausalLM", "MiMoForCausalLM", "Glm4MoeForCausalLM", "Ernie4_5_MoeForCausalLM"],
+)  # fmt: skip
 def test_vllm_taps_these_families(arch, fresh_cache):
+    """The last three through draftsmith's plugin (core/vllm_taps.py), installed here."""
     pytest.importorskip("vllm")
     assert eagle3_refusal(arch) is None
+
+
+def test_without_the_plugin_the_mtp_families_are_refused(fresh_cache, monkeypatch):
+    """MiMo claims SupportsEagle3 in vLLM 0.32 but returns no states: without draftsmith's
+    plugin (its entry point not installed) the three tapped families are refused, and the
+    answers are kept apart from the plugin's."""
+    pytest.importorskip("vllm")
+    from draftsmith.core import vllm_fixes
+
+    monkeypatch.setattr(vllm_fixes, "installed", lambda: False)
+    said = eagle3_refusal("MiMoForCausalLM")
+    assert said and "hands out no hidden states" in said and "`make setup`" in said
+    assert eagle3_refusal("Glm4MoeForCausalLM") and eagle3_refusal("LlamaForCausalLM") is None
+    version = targets._vllm_version()
+    assert set(json.loads(fresh_cache.read_text())) == {f"{version} taps off"}
+
+
+@pytest.mark.parametrize("n", range(1, 13))
+def test_default_layer_ids_stay_inside_the_target(n):
+    """Low, middle and high taps plus N, each once and within 0..N, whatever the depth (a
+    two-layer target once got [-1, 1, 2])."""
+    ids = targets.default_layer_ids(n)
+    assert ids == sorted(set(ids)) and all(0 <= k <= n for k in ids) and ids[-1] == n
+    targets.validate_layer_ids(ids, n)
+    assert targets.default_layer_ids(2) == [0, 1, 2] and targets.default_layer_ids(8) == [
+        2,
+        4,
+        5,
+        8,
+    ]
 
 
 def test_refusals_name_vllms_reason(fresh_cache):
@@ -41,14 +73,16 @@ def test_refusals_name_vllms_reason(fresh_cache):
     )
     # Both answers are kept per vLLM version; a later process reads them without vLLM.
     cached = json.loads(fresh_cache.read_text())
-    assert cached[version]["Gemma3ForCausalLM"] == gemma3 and len(cached[version]) == 2
+    key = f"{version} taps {vllm_taps.REVISION}"  # the plugin's classes were asked
+    assert cached[key]["Gemma3ForCausalLM"] == gemma3 and len(cached[key]) == 2
 
 
 def test_cached_answers_skip_vllm(fresh_cache, monkeypatch):
     version = targets._vllm_version()
     if version is None:
         pytest.skip("vLLM is not installed")
-    fresh_cache.write_text(json.dumps({version: {"LlamaForCausalLM": None, "X": "no"}}))
+    key = f"{version} taps {vllm_taps.REVISION}"
+    fresh_cache.write_text(json.dumps({key: {"LlamaForCausalLM": None, "X": "no"}}))
 
     def no_vllm(*_):
         raise AssertionError("asked vLLM although the answer was cached")

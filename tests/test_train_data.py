@@ -186,6 +186,17 @@ def test_long_samples_are_truncated_and_counted(tmp_path, capsys):
     assert sum(int((b["doc_ids"] >= 0).sum()) for b in loader) == 10 + 4 + 10
 
 
+def test_a_dataset_of_the_last_layer_alone_feeds_no_aux_states(tmp_path):
+    """What a pipeline extracts for model.kind mtp: layer N alone, the teacher's input."""
+    samples = write_dataset(tmp_path, [[3, 4]], layer_ids=[8])
+    dm = StatesDataModule(str(tmp_path), row_tokens=8, val_fraction=0.0, num_workers=0)
+    assert dm.aux_layer_ids == [] and dm.teacher_layer_id == 8
+    packed = dm.train_dataloader().dataset
+    item, first = packed[0], samples[packed.rows[0][0]]["hidden_states"]  # [t, 1, H]
+    assert item["aux_states"].shape == (8, 0)
+    assert torch.equal(item["teacher_states"][: len(first)], first[:, 0])
+
+
 def test_missing_last_layer_gives_teacher_error(tmp_path):
     write_dataset(tmp_path, [[3, 4]], layer_ids=[2, 4, 5])
     with pytest.raises(DatasetError, match=r"no last-layer states.*--layer_ids \[2, 4, 5, 8\]"):

@@ -172,20 +172,27 @@ def eagle3_refusal(architecture: str) -> str | None:
     vLLM's model registry knows each architecture's module; the class implements
     ``SupportsEagle3`` (``interfaces.supports_eagle3``) when the model can hand out the
     auxiliary hidden states that ``extract_hidden_states`` stores and EAGLE-3 heads read.
-    Only that one model module is imported. The answer is kept per vLLM version in
+    Only that one model module is imported. draftsmith's vLLM plugin registers tapped
+    classes for MiMo, GLM-4 MoE and ERNIE 4.5 MoE (``core/vllm_taps.py``); the registry is
+    asked with them in it when the plugin's entry point is installed (vLLM's processes then
+    load it too). The answer is kept per vLLM version and taps revision in
     ``cache_dir()/vllm-eagle3.json``, so later runs (dry runs included) do not import vLLM.
     """
     version = _vllm_version()
     if version is None:
         return "vLLM is not installed (`make setup`), and only vLLM knows which targets it taps"
+    from draftsmith.core import vllm_fixes, vllm_taps
+
+    taps = vllm_fixes.installed()
+    key = f"{version} taps {vllm_taps.REVISION if taps else 'off'}"
     cache_file = cache_dir() / "vllm-eagle3.json"
     cached = read_json_or(cache_file, {})  # a cache: a damaged one is asked again
-    answers = cached.get(version, {}) if isinstance(cached, dict) else {}
+    answers = cached.get(key, {}) if isinstance(cached, dict) else {}
     if architecture in answers:
         return answers[architecture]
-    answer, final = _ask_vllm(architecture, version)
+    answer, final = _ask_vllm(architecture, version, taps)
     if final:
-        cached = {version: {**answers, architecture: answer}}  # older versions' answers go
+        cached = {key: {**answers, architecture: answer}}  # older versions' answers go
         try:
             write_json = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp")
             write_json.parent.mkdir(parents=True, exist_ok=True)
@@ -196,13 +203,23 @@ def eagle3_refusal(architecture: str) -> str | None:
     return answer
 
 
-def _ask_vllm(architecture: str, version: str) -> tuple[str | None, bool]:
-    """(refusal or None, whether the answer is worth caching) from vLLM's registry."""
+def _ask_vllm(architecture: str, version: str, taps: bool) -> tuple[str | None, bool]:
+    """(refusal or None, whether the answer is worth caching) from vLLM's registry, with
+    draftsmith's tapped classes registered when ``taps`` (the plugin is installed)."""
+    from draftsmith.core import vllm_fixes, vllm_taps
+
     try:
         from vllm.model_executor.models.interfaces import supports_eagle3
         from vllm.model_executor.models.registry import ModelRegistry
     except ImportError as err:  # a broken install: say so, and ask again next time
         return f"vLLM {version} does not import ({err})", False
+    if architecture in vllm_taps.TAPPED and not taps:
+        return (
+            f"vLLM {version}'s {architecture} hands out no hidden states; draftsmith's vLLM "
+            "plugin taps it once its entry point is installed (`make setup`)"
+        ), True
+    if taps:
+        vllm_fixes.apply()  # what vLLM's own processes load: the tapped classes registered
     entry = ModelRegistry.models.get(architecture)
     if entry is None:
         return f"vLLM {version} does not know architecture {architecture}", True

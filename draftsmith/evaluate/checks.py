@@ -27,6 +27,28 @@ def check_k(ks: list[int]) -> list[int]:
     return sorted(set(ks))
 
 
+MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def check_baselines(baselines: list[str], target: TargetInfo) -> None:
+    """``target_mtp`` serves the target's own MTP layer: refused for a target without one."""
+    if "target_mtp" not in baselines:
+        return
+    text = target.text_config
+    if not any(int(text.get(k) or target.config.get(k) or 0) > 0 for k in MTP_LAYER_KEYS):
+        raise HeadError(
+            f"baselines: target_mtp serves the target's own MTP layer, but {target.architecture} "
+            f"declares none ({' / '.join(MTP_LAYER_KEYS)} in its config.json); drop target_mtp"
+        )
+
+
+def check_section_target(section: dict, target: TargetInfo) -> None:
+    """An eval section's options against the target (the pipeline's ``target`` hook)."""
+    baselines = section.get("baselines")
+    if isinstance(baselines, list):
+        check_baselines(baselines, target)
+
+
 def tensor_shapes(path: Path) -> dict[str, list[int]]:
     """Shapes of the tensors in a safetensors file, read from its header only."""
     with open_safetensors(path, "head weights", REEXPORT) as f:

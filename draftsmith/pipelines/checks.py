@@ -14,8 +14,32 @@ from typing import Any
 
 from draftsmith import drafters
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.targets import EMBEDDED, read_target, validate_layer_ids
-from draftsmith.pipelines.config import PipelineConfig, PipelineError
+from draftsmith.core.targets import EMBEDDED, TargetInfo, read_target, validate_layer_ids
+from draftsmith.pipelines.commands import COMMANDS
+from draftsmith.pipelines.config import STAGES, PipelineConfig, PipelineError
+
+
+def check_refusals(cfg: PipelineConfig, target: TargetInfo) -> None:
+    """What no stage could do for this target, refused before any engine starts: a target vLLM
+    cannot tap, a kind that cannot train for it, and what a stage's ``target`` hook refuses
+    (eval: a ``target_mtp`` baseline for a target without MTP layers)."""
+    if not cfg.data and (refusal := target.eagle3_refusal):
+        raise PipelineError(
+            f"model: {target.architecture} cannot be tapped: {refusal}; draftsmith trains "
+            "heads for targets vLLM implements SupportsEagle3 for"
+        )
+    model: dict[str, Any] = (cfg.train or {}).get("model") or {}
+    try:  # a kind that cannot train for this target says so before the extraction runs
+        drafters.get(str(model.get("kind", "eagle3"))).check_target(target, model)
+    except DraftsmithError as err:
+        raise PipelineError(f"train.{err}") from None
+    for stage in STAGES:
+        hook = COMMANDS[stage].hook("target")
+        try:
+            if hook is not None:
+                hook(getattr(cfg, stage) or {}, target)
+        except DraftsmithError as err:
+            raise PipelineError(f"{stage}.{err}") from None
 
 
 def check_against_target(cfg: PipelineConfig, offline: bool = True) -> list[str]:
@@ -27,11 +51,7 @@ def check_against_target(cfg: PipelineConfig, offline: bool = True) -> list[str]
     if offline and not local:  # a hub id: a dry run reaches no network
         return [f"target   unchecked: {cfg.model} is a hub id (the run checks its config.json)"]
     target = read_target(cfg.model)
-    if not cfg.data and (refusal := target.eagle3_refusal):
-        raise PipelineError(
-            f"model: {target.architecture} cannot be tapped: {refusal}; draftsmith trains "
-            "heads for targets vLLM implements SupportsEagle3 for"
-        )
+    check_refusals(cfg, target)
     n, vocab = target.num_hidden_layers, target.vocab_size
     context = target.max_position_embeddings
     problems: list[str] = []
@@ -44,10 +64,6 @@ def check_against_target(cfg: PipelineConfig, offline: bool = True) -> list[str]
             problems.append(f"extract.{err}")
 
     model: dict[str, Any] = (cfg.train or {}).get("model") or {}
-    try:  # a kind that cannot train for this target says so before the extraction runs
-        drafters.get(str(model.get("kind", "eagle3"))).check_target(target, model)
-    except DraftsmithError as err:
-        raise PipelineError(f"train.{err}") from None
     draft_vocab = model.get("draft_vocab_size")
     if isinstance(draft_vocab, int) and draft_vocab > vocab:
         problems.append(

@@ -35,7 +35,9 @@ class Command:
     - ``summary``: a finished stage's directory -> the text the pipeline prints last;
     - ``engines``: the parsed config -> (engines it starts, how many a time limit may skip),
       for the pipeline's time budget;
-    - ``train_tokens``: a finished stage's directory -> the tokens that trained the head."""
+    - ``train_tokens``: a finished stage's directory -> the tokens that trained the head;
+    - ``target``: (the stage's section, the target's ``TargetInfo``) -> refuse, in one line,
+      what the target cannot do, before any stage runs."""
 
     def main(self) -> Callable[[list[str] | None], int]:
         return importlib.import_module(self.module).main
@@ -79,6 +81,7 @@ COMMANDS = {
         "draftsmith.evaluate.config:EvalConfig",
         {
             "check": "draftsmith.evaluate.main:check_ranges",
+            "target": "draftsmith.evaluate.checks:check_section_target",
             "summary": "draftsmith.evaluate.report:summary_of",
             "engines": "draftsmith.evaluate.runs:engine_count",
         },

@@ -52,6 +52,8 @@ class Plan:
 
     def __init__(self, cfg: PipelineConfig) -> None:
         self.cfg, out = cfg, Path(cfg.output)
+        self.layers_of = kind_picking_layers(cfg)
+        self._layer_ids: list[int] | None = None
         if cfg.data and cfg.validation:
             raise PipelineError(
                 "validation: extracts a validation set in the extract stage, but data: skips "
@@ -65,6 +67,8 @@ class Plan:
         else:
             budget = [cfg.time_budget, cfg.extract_share] if cfg.time_budget else []
             h_extract = digest("extract", cfg.model, cfg.extract, *budget)
+            if self.layers_of:  # the kind's own taps (MTP: layer N alone)
+                h_extract = digest(h_extract, {"layer_ids_of": self.layers_of})
             if cfg.validation:  # the validation set lives in the extract stage's directory
                 h_extract = digest(h_extract, cfg.validation)
             if cfg.stream:  # a streamed dataset may end without its shards (drop, recapture)
@@ -121,9 +125,22 @@ class Plan:
         # A mix of kept and regenerated replies is for training; validation measures the
         # target's own replies unless its section says otherwise.
         inherited = {k: v for k, v in self.cfg.extract.items() if k != "keep_replies"}
-        section = {**inherited, **self.cfg.validation}
+        section = {**inherited, **self.kind_layer_ids(), **self.cfg.validation}
         section.update(model=self.cfg.model, output=str(d))
         return section
+
+    def kind_layer_ids(self) -> dict[str, list[int]]:
+        """``{"layer_ids": ids}`` the kind taps when it picks its own (``layers_of``; read from
+        the target's depth once), else ``{}``: extraction's default."""
+        if not self.layers_of:
+            return {}
+        if self._layer_ids is None:
+            from draftsmith import drafters
+            from draftsmith.core.targets import read_target
+
+            n = read_target(self.cfg.model).num_hidden_layers
+            self._layer_ids = drafters.get(self.layers_of).extract_layer_ids(n)
+        return {"layer_ids": list(self._layer_ids or [])}
 
     def checkpoint(self) -> Path:
         ckpts = self.dirs["train"] / "checkpoints"
@@ -141,7 +158,8 @@ class Plan:
 
     def _extract_section(self) -> dict[str, Any]:
         cfg = self.cfg
-        section = {**cfg.extract, "model": cfg.model, "output": str(self.dirs["extract"])}
+        section = {**cfg.extract, **self.kind_layer_ids(), "model": cfg.model,
+                   "output": str(self.dirs["extract"])}  # fmt: skip
         if cfg.time_budget:  # streamed: the producer closes the data there, training goes on
             left = cfg.extract_share * seconds_of(cfg.time_budget) - self.validation_seconds
             section["time_limit"] = max(left, 0.01)  # at least one shard: training needs data
@@ -192,6 +210,20 @@ class Plan:
             self.hashes["eval"] = digest("eval", self.hashes["export"], self.cfg.model,
                                          self.cfg.eval, {"limit": limit})  # fmt: skip
             self.dirs["eval"] = Path(self.cfg.output) / f"eval-{self.hashes['eval']}"
+
+
+def kind_picking_layers(cfg: PipelineConfig) -> str | None:
+    """The training kind whose own layer ids the extraction taps
+    (``Drafter.extract_layer_ids``: MTP reads layer N alone), when the pipeline extracts and
+    ``extract.layer_ids`` is not given; else None (an unknown kind: the train stage says so)."""
+    if cfg.data or (cfg.extract or {}).get("layer_ids") is not None:
+        return None
+    from draftsmith import drafters
+
+    kind = str(((cfg.train or {}).get("model") or {}).get("kind", "eagle3"))
+    if kind not in drafters.names() or drafters.get(kind).extract_layer_ids(1) is None:
+        return None
+    return kind
 
 
 def record(directory: Path, section: dict[str, Any]) -> None:

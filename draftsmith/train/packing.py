@@ -93,8 +93,9 @@ def teacher_layer_id(manifest: dict[str, Any], where: object = "the dataset") ->
 
 
 def resolve_aux_layers(layer_ids: list[int], aux_layers: list[int] | None) -> list[int]:
-    """The layer ids that feed the head, ascending; default: all tapped layers but the last."""
-    if aux_layers is None:
+    """The layer ids that feed the head, ascending; default: all tapped layers but the last
+    (none for a dataset of the last layer alone, which the MTP kind reads)."""
+    if aux_layers is None or list(aux_layers) == list(layer_ids[:-1]):
         return list(layer_ids[:-1])
     missing = [i for i in aux_layers if i not in layer_ids]
     if missing or not aux_layers or len(set(aux_layers)) != len(aux_layers):

@@ -59,6 +59,11 @@ class MTP(Drafter):
             )
 
     @classmethod
+    def extract_layer_ids(cls, num_hidden_layers: int) -> list[int]:
+        """The layer reads the last layer's state (id N) alone: a pipeline extracts only it."""
+        return [num_hidden_layers]
+
+    @classmethod
     def check_target(cls, target: TargetInfo, options: dict[str, Any]) -> None:
         family_of(target.architecture, target.config)
 

@@ -148,6 +148,14 @@ class Drafter:
         raise NotImplementedError
 
     @classmethod
+    def extract_layer_ids(cls, num_hidden_layers: int) -> list[int] | None:
+        """The target layers (vLLM's ids: k = the residual stream after k decoder layers, N =
+        the last layer's output before the final norm) this kind reads, which a pipeline
+        extracts when ``extract.layer_ids`` is not given; None, for any depth: extraction's
+        default (``core.targets.default_layer_ids``)."""
+        return None
+
+    @classmethod
     def check_target(cls, target: TargetInfo, options: dict[str, Any]) -> None:
         """Refuse, in one line, a target this kind cannot train for with ``options`` (the
         ``model`` section as given): the pipeline asks before any engine starts."""
