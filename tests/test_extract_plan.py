@@ -9,7 +9,8 @@ from draftsmith.conversations.sources import Conversation, SkipLog
 from draftsmith.conversations.template import render_conversation, render_turns
 from draftsmith.core.errors import ConfigError
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.sample_plan import Item, common_prefix, plan_items, shard_ids, shard_items
+from draftsmith.extract.records import Item, common_prefix
+from draftsmith.extract.sample_plan import plan_items, shard_ids, shard_items
 
 
 def two_rounds(i: int) -> list[dict]:

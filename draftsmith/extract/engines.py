@@ -9,10 +9,11 @@ shared ones: starting it closes them, as two engines at once would not fit in me
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from draftsmith.core import engine
-from draftsmith.extract.config import ExtractConfig
+from draftsmith.core.engine import EngineOptions
 
 _started: set[LazyEngine] = set()  # engines get() started and close() has not stopped yet
 
@@ -24,20 +25,32 @@ def close_started() -> None:
         lazy.close()
 
 
+def staging_dir(output: Path, worker: int, configured: str | None) -> Path:
+    """Per-output, per-worker scratch space for the connector's files (`configured`, the
+    config's ``staging_dir``, or in memory (/dev/shm) when the system has it)."""
+    if configured:
+        return Path(configured) / f"worker-{worker}"
+    tag = hashlib.sha256(str(output.resolve()).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() else output
+    return base / f"draftsmith-staging-{tag}-w{worker}"
+
+
 class LazyEngine:
     """A plain engine (``layer_ids`` None) or a capture engine whose connector stages
     hidden states in ``staging``; started by the first ``get()``."""
 
     def __init__(
         self,
-        cfg: ExtractConfig,
         model: str,
+        options: EngineOptions,
+        max_len: int,
         layer_ids: list[int] | None = None,
         staging: Path | None = None,
     ):
-        self.cfg, self.model, self.layer_ids, self.staging = cfg, model, layer_ids, staging
-        self.max_len = cfg.max_length + 1
-        self.key = ("capture", model, tuple(layer_ids or ()), repr(cfg.engine), self.max_len)
+        self.model, self.options, self.max_len = model, options, max_len
+        self.layer_ids, self.staging = layer_ids, staging
+        self.key = ("capture", model, tuple(layer_ids or ()), repr(options), max_len)
         self.llm = None
         self.shared = False  # the pool's engine: close() leaves it running
 
@@ -52,7 +65,7 @@ class LazyEngine:
         _started.add(self)
         if self.staging is None:
             engine.release_shared()
-            self.llm = engine.plain_engine(self.model, self.cfg.engine, self.max_len)
+            self.llm = engine.plain_engine(self.model, self.options, self.max_len)
             return self.llm
         from draftsmith.extract.capture import capture_engine, clean_staging
 
@@ -61,7 +74,7 @@ class LazyEngine:
         def start():
             clean_staging(staging)
             return capture_engine(
-                self.model, self.layer_ids, str(staging), self.cfg.engine, self.max_len
+                self.model, self.layer_ids, str(staging), self.options, self.max_len
             )
 
         self.llm, self.shared = engine.pooled(self.key, start, lambda: clean_staging(staging))

@@ -12,11 +12,11 @@ run again goes on.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from pathlib import Path
 
-from draftsmith.conversations.sources import DataError, SkipLog, load_many
+from draftsmith.conversations.sources import SkipLog
+from draftsmith.conversations.template import reasoning_ends
 from draftsmith.core.config import parse_config, to_dict
 from draftsmith.core.console import progress, say, stage_log
 from draftsmith.core.engine import check_engine_options, check_temperature
@@ -30,13 +30,13 @@ from draftsmith.core.targets import (
     read_target,
     validate_layer_ids,
 )
-from draftsmith.extract import replies
+from draftsmith.dataset.manifest import PLAN_FILE
+from draftsmith.extract import inputs, sample_plan
 from draftsmith.extract.config import ExtractConfig
-from draftsmith.extract.engines import LazyEngine, close_started
+from draftsmith.extract.engines import LazyEngine, close_started, staging_dir
 from draftsmith.extract.interrupted import report_sigterm
-
-# A dataset's manifest is rebuilt from its plan and sidecars: a damaged one can go.
-REBUILD = "delete it and re-run the same command, which writes it again from the sidecars"
+from draftsmith.extract.records import Chat, DataOptions, Schedule
+from draftsmith.extract.resume import Output, settings_to_repair
 
 
 def check_config(cfg: ExtractConfig) -> None:
@@ -89,16 +89,6 @@ def check_config(cfg: ExtractConfig) -> None:
         )
 
 
-def staging_dir(cfg: ExtractConfig, output: Path) -> Path:
-    """Per-output, per-worker scratch space, in memory (/dev/shm) when the system has it."""
-    if cfg.staging_dir:
-        return Path(cfg.staging_dir) / f"worker-{cfg.worker}"
-    tag = hashlib.sha256(str(output.resolve()).encode()).hexdigest()[:12]
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() else output
-    return base / f"draftsmith-staging-{tag}-w{cfg.worker}"
-
-
 def run(cfg: ExtractConfig) -> dict:
     """Extract (or resume) the dataset described by `cfg`; return its manifest. A streaming
     producer beats from its start (prompts and planning can outlast the trainer's wait).
@@ -116,10 +106,80 @@ def run(cfg: ExtractConfig) -> dict:
 
 
 def _run(cfg: ExtractConfig, pulse) -> dict:
-    from draftsmith.dataset import manifest
-    from draftsmith.extract import sample_plan as plan
+    """Resolve `cfg` against its target and into the records the steps read, see what the
+    output holds already, plan the data, then run the pass (``shard_pass.py``) over the
+    shards a driver picks: the offline loop, or the streamed producer when `pulse` beats."""
+    from draftsmith.extract.shard_pass import ShardPass
 
     run_started = time.monotonic()
+    cfg, out = resolve(cfg)
+    schedule = Schedule(cfg.worker, cfg.workers, cfg.time_limit, cfg.trainer_timeout)
+    repaired = [] if cfg.repair else None  # when repairing: the shards to pass again
+    if cfg.repair and (out.path / PLAN_FILE).is_file():
+        repaired = out.repair(schedule)
+    elif not cfg.stream and out.complete():
+        return out.manifest()
+
+    opts = DataOptions(
+        data=cfg.data,
+        bad_rows=cfg.bad_rows,
+        encoding=cfg.encoding,
+        regenerate=cfg.regenerate,
+        seed=cfg.seed,
+        keep_replies=cfg.keep_replies,
+        keep_reasoning=cfg.keep_reasoning,
+        chat_template_kwargs=cfg.chat_template_kwargs,
+        max_length=cfg.max_length,
+        overlong=cfg.overlong,
+        limit=cfg.limit,
+        samples_per_shard=cfg.samples_per_shard,
+    )
+    tokenizer = load_tokenizer(out.target.path)
+    max_len = cfg.max_length + 1  # the engine needs one position past the longest sequence
+    # Sampling happens in a plain engine: vLLM 0.32's capture method corrupts sampled text.
+    writer = LazyEngine(out.target.path, cfg.engine, max_len)
+    skips = SkipLog()
+    convs = inputs.conversations(opts, tokenizer, writer, out.path, skips, pulse)
+    if pulse is not None:
+        pulse.set(state="planning shards")
+    plan = sample_plan.plan_dataset(convs, tokenizer, opts, skips, out.path, out.fingerprint)
+
+    chat = Chat(
+        tokenizer=tokenizer,
+        template_kwargs=cfg.chat_template_kwargs,
+        max_length=cfg.max_length,
+        overlong=cfg.overlong,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        reasoning_ends=reasoning_ends(tokenizer),
+    )
+    staging = staging_dir(out.path, cfg.worker, cfg.staging_dir)
+    job = ShardPass(
+        cfg=schedule,
+        engine=LazyEngine(out.target.path, cfg.engine, max_len, out.layer_ids, staging),
+        plan=plan,
+        chat=chat,
+        mask_ends=None if cfg.keep_reasoning else chat.reasoning_ends,
+        dtype=cfg.dtype,
+        regenerate=cfg.regenerate,
+        keep_streamed=cfg.stream and cfg.regenerate,
+        dataset=out,
+    )
+    todo = out.todo(plan.shards, schedule, repaired)
+    if cfg.regenerate and cfg.temperature > 0:
+        job.answer_ahead(writer, todo)
+    writer.close()
+    if pulse is not None:
+        from draftsmith.extract.producer import serve
+
+        return serve(job, pulse)
+    return offline(job, todo, run_started)
+
+
+def resolve(cfg: ExtractConfig) -> tuple[ExtractConfig, Output]:
+    """Check `cfg`, read its target (refused where vLLM cannot tap it, or the drafter kind
+    cannot train on it), choose its layers, fit ``max_length`` to its positions (the config
+    returned), and refuse an output that holds a dataset made with other settings."""
     check_config(cfg)
     target = read_target(cfg.model)
     if refusal := target.eagle3_refusal:
@@ -145,197 +205,40 @@ def _run(cfg: ExtractConfig, pulse) -> dict:
         say(f"extract: max_length {cfg.max_length} -> {limit - 1} (the target has {limit})")
         cfg = dataclasses.replace(cfg, max_length=limit - 1)
     output = Path(cfg.output)
-    fp = plan.fingerprint(cfg, target, layer_ids)
-    plan.check_fingerprint(output, fp)
+    fp = sample_plan.fingerprint(cfg, target, layer_ids)
+    sample_plan.check_fingerprint(output, fp)
     config = {**to_dict(cfg), "model_path": target.path, "layer_ids": layer_ids}
-    existing = output / "manifest.json"
-    repaired: list[int] = []
-    if cfg.repair and (output / manifest.PLAN_FILE).is_file():
-        planned = len(manifest.read_plan(output)["shards"])
-        mine = [k for k in range(planned) if k % cfg.workers == cfg.worker]
-        bad = repaired = manifest.repair_shards(output, mine)
-        say(f"extract: repair: {len(bad)} of {len(mine)} shards failed their sha256"
-            + (f" ({', '.join(manifest.shard_name(k) for k in bad)}); extracting them again"
-               if bad else ""))  # fmt: skip
-        if bad:
-            manifest.build_manifest(output, target, layer_ids, config)
-    elif (
-        not cfg.stream
-        and existing.is_file()
-        and manifest.read_manifest(existing, REBUILD).get("complete")
-    ):
-        return manifest.build_manifest(output, target, layer_ids, config)
+    return cfg, Output(output, target, layer_ids, config, fp)
 
-    tokenizer = load_tokenizer(target.path)
-    skips = SkipLog()
-    file_specs = [s for s in cfg.data if not s.startswith("self:")]
-    self_specs = [s for s in cfg.data if s.startswith("self:")]
-    convs = load_many(
-        file_specs,
-        bad_rows=cfg.bad_rows,
-        require_assistant=not cfg.regenerate,
-        skips=skips,
-        encoding=cfg.encoding,
-    )
 
-    # Sampling happens in a plain engine: vLLM 0.32's capture method corrupts sampled text.
-    writer = LazyEngine(cfg, target.path)
-    if self_specs:
-        from draftsmith.conversations.selfwrite import write_prompts
-
-        if not cfg.regenerate:
-            raise ConfigError(
-                f"data: {self_specs} are prompts without replies; set regenerate: true "
-                "so the target answers them."
-            )
-        count = sum(_self_count(s) for s in self_specs)
-        say(f"extract: the target writes {count} prompts (vLLM, pre-query sampling)")
-        if pulse is not None:
-            pulse.set(state=f"writing {count} prompts")
-        convs += write_prompts(writer, tokenizer, count, cfg.seed, output / "prompts.self.jsonl")
-    if pulse is not None:
-        pulse.set(state="planning shards")
-    items = plan.plan_items(convs, tokenizer, cfg, skips)
-    if not items:
-        raise DataError(f"data: {cfg.data} gave no usable conversation ({skips.by_reason()})")
-    shards = plan.shard_ids(items, cfg.samples_per_shard)
-    manifest.write_plan(output, fp, shards, skips.to_dict())
-    by_id = {sid: it for it in items for sid in it.sample_ids()}  # sample id -> its item
-
-    todo = [
-        k
-        for k in range(len(shards))
-        if k % cfg.workers == cfg.worker and not manifest.shard_done(output, k, shards[k])
-    ]
-    if cfg.repair:  # exactly the shards that failed their checksum, nothing planned beyond
-        todo = [k for k in todo if k in repaired]
-    written = {}
-    if cfg.regenerate and cfg.temperature > 0:
-        written = replies.write_sampled(writer, tokenizer, todo, shards, by_id, cfg, output)
-    writer.close()
-    engine = LazyEngine(cfg, target.path, layer_ids, staging_dir(cfg, output))
-    job = ShardJob(engine, tokenizer, shards, by_id, written, cfg, output, target, layer_ids,
-                   config)  # fmt: skip
-    if pulse is not None:
-        from draftsmith.extract.producer import serve
-
-        return serve(job, pulse)
+def offline(job, todo: list[int], run_started: float) -> dict:
+    """The offline driver: the pass (``job``, a ``ShardPass``) over `todo` in order, behind
+    a progress bar. With a time limit (counted from `run_started`, engine starts included)
+    no shard starts that would end past it, and the manifest says ``stopped_by``."""
+    time_limit = job.cfg.time_limit
     if todo:
-        verb = "reusing the running" if engine.reused else "starting"
-        say(f"extract: {verb} vLLM ({target.path}, layers {layer_ids})")
-        if cfg.time_limit:
-            left = cfg.time_limit - (time.monotonic() - run_started)
+        verb = "reusing the running" if job.engine.reused else "starting"
+        say(f"extract: {verb} vLLM ({job.target.path}, layers {job.layer_ids})")
+        if time_limit:
+            left = time_limit - (time.monotonic() - run_started)
             say(f"extract: time_limit leaves {left:.0f} s: no shard starts that would end later")
-        engine.get()  # start it before the clock: shard times measure capture alone
+        job.engine.get()  # start it before the clock: shard times measure capture alone
     started, tokens, stopped_by = time.monotonic(), 0, None
-    bar = progress(sum(len(shards[k]) for k in todo), "extract", unit="sample")
+    bar = progress(sum(len(job.shards[k]) for k in todo), "extract", unit="sample")
     for n_done, k in enumerate(todo):
         shard_start = time.monotonic()
         per_shard = (shard_start - started) / n_done if n_done else 0.0
-        if n_done and cfg.time_limit and shard_start + per_shard > run_started + cfg.time_limit:
+        if n_done and time_limit and shard_start + per_shard > run_started + time_limit:
             stopped_by = "time_limit"  # the next shard would end past the limit
-            say(f"extract: time_limit {cfg.time_limit:.0f} s reached after {n_done} shards")
+            say(f"extract: time_limit {time_limit:.0f} s reached after {n_done} shards")
             break
         tokens += job.extract(k)
         rate = tokens / max(time.monotonic() - started, 1e-9)
         bar.set_postfix(tok_s=f"{rate:,.0f}", shard=k)
-        bar.update(len(shards[k]))
+        bar.update(len(job.shards[k]))
     bar.close()
-    engine.close()
-    return manifest.build_manifest(output, target, layer_ids, config, stopped_by)
-
-
-@dataclasses.dataclass
-class ShardJob:
-    """What extracting one planned shard needs; ``extract(k)`` writes shard k."""
-
-    engine: LazyEngine
-    tokenizer: object
-    shards: list[list[str]]
-    by_id: dict
-    written: dict
-    cfg: ExtractConfig
-    output: Path
-    target: object
-    layer_ids: list[int]
-    config: dict
-
-    def extract(self, k: int) -> int:
-        """Capture, write and record shard ``k`` (file, then sidecar, then the manifest);
-        returns its tokens."""
-        from draftsmith.core.files import write_json_atomic
-        from draftsmith.dataset import manifest
-        from draftsmith.dataset.shards import write_shard
-        from draftsmith.extract import capture
-        from draftsmith.extract import sample_plan as plan
-
-        shard_start, output = time.monotonic(), self.output
-        sequences, shard_skips = self.written.get(k, (None, SkipLog()))
-        kept = replies.path(output, k)  # a streamed shard's greedy replies, once written
-        replay = self.cfg.stream and self.cfg.regenerate and sequences is None
-        if replay and kept.is_file():
-            sequences, shard_skips = replies.load(kept, self.by_id)
-        samples = capture.capture_shard(
-            self.engine.get(),
-            self.tokenizer,
-            plan.shard_items(self.shards[k], self.by_id),
-            self.cfg,
-            shard_skips,
-            written=sequences,
-        )
-        if replay and sequences is None:  # answered in this pass: keep the replies' ids
-            rows = [
-                replies.row(
-                    x["id"],
-                    x["input_ids"].tolist(),
-                    x["loss_mask"].tolist(),
-                    x["turn"],
-                    x["shared"],
-                )
-                for x in samples
-                if not self.by_id[x["id"]].input_ids  # kept replies are planned ids already
-            ]
-            replies.save(kept, rows, shard_skips)
-        # generation: the target answered in the capturing pass; prefill: every sequence
-        # was final before it (kept replies, sampled ones, or a streamed shard's own)
-        captured_by = "generation" if self.cfg.regenerate and sequences is None else "prefill"
-        info = write_shard(output / manifest.shard_name(k), samples, self.cfg.dtype)
-        write_json_atomic(
-            manifest.sidecar_path(output, k),
-            {
-                **info.to_dict(),
-                "sample_tokens": [len(s["input_ids"]) for s in samples],  # packing, unread
-                # Per-turn samples repeat their conversation's prefix: what is new in each.
-                "turn_samples": sum(s.get("turn") is not None for s in samples),
-                "samples_by_turn": _by_turn(samples),
-                "unique_tokens": info.tokens - sum(s.get("shared", 0) for s in samples),
-                "seconds": round(time.monotonic() - shard_start, 3),
-                "captured_by": captured_by,
-                "skipped": shard_skips.to_dict()["rows"],
-                "truncated": shard_skips.truncated,  # conversations cut to the rounds that fit
-            },
-        )
-        manifest.build_manifest(output, self.target, self.layer_ids, self.config)
-        return info.tokens
-
-
-def _by_turn(samples: list[dict]) -> dict[str, int]:
-    """How many per-turn samples hold the k-th assistant turn, by k."""
-    counts: dict[str, int] = {}
-    for sample in samples:
-        if sample.get("turn") is not None:
-            counts[str(sample["turn"])] = counts.get(str(sample["turn"]), 0) + 1
-    return counts
-
-
-def _self_count(spec: str) -> int:
-    try:
-        count = int(spec.split(":", 1)[1])
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ConfigError(f"data: {spec!r}; write self:N with N a positive number of prompts.")
-    return count
+    job.engine.close()
+    return job.dataset.manifest(stopped_by)
 
 
 def summary(man: dict) -> str:
@@ -361,28 +264,6 @@ def summary(man: dict) -> str:
         + (f" ({reasons}; all in manifest.json)" if sk["count"] else "")
         + f", truncated {sk['truncated']}"
     )
-
-
-def settings_to_repair(cfg: ExtractConfig) -> ExtractConfig:
-    """``--repair true`` on a dataset: the settings it was extracted with, read from its
-    ``manifest.json``, so that the shards written again are the ones planned; only
-    ``output``, ``workers`` and ``worker`` come from the command line."""
-    from draftsmith.core.config import parse_section
-    from draftsmith.dataset import manifest
-
-    found = Path(cfg.output) / "manifest.json"
-    if not found.is_file():
-        raise ConfigError(
-            f"repair: {cfg.output} has no manifest.json, so nothing to repair; run the "
-            "extraction itself (without --repair) to write it"
-        )
-    stored = manifest.read_manifest(found, REBUILD).get("config")
-    if not isinstance(stored, dict):
-        raise ConfigError(f"repair: {found} records no extraction settings; re-extract it")
-    names = {f.name for f in dataclasses.fields(ExtractConfig)}
-    section = {k: v for k, v in stored.items() if k in names}
-    section.update(output=cfg.output, repair=True, workers=cfg.workers, worker=cfg.worker)
-    return parse_section(ExtractConfig, section, "draftsmith extract")
 
 
 def main(args: list[str] | None = None) -> int:

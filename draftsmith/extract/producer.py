@@ -77,8 +77,8 @@ class Pulse:
 
 
 def serve(job: Any, pulse: Pulse) -> dict:
-    """Produce for the trainer until it finishes (``job``: extract's ``ShardJob``); returns
-    the manifest as it stands at the end."""
+    """Produce for the trainer until it finishes (``job``: the ``ShardPass`` of
+    ``shard_pass.py``, which writes a shard); returns the manifest as it stands at the end."""
     cfg, output = job.cfg, job.output
     stream = StreamDir(output)
     stats: dict[str, Any] = {"state": "starting", "shards_written": 0, "tokens": 0,

@@ -4,7 +4,7 @@ Two kinds are kept, both as token ids and loss masks (about 25 bytes a token in 
 against ~4,600 bytes of states for SmolLM2's four layers):
 
 - sampled replies (``temperature > 0``): written by a plain engine before capture, since
-  vLLM 0.32's capture method corrupts sampled decoding (see ``capture``);
+  vLLM 0.32's capture method corrupts sampled decoding (see ``answer``);
 - a streamed shard's greedy replies, kept at its first capture: when the shard is written
   again (policy ``recapture``, or a deleted shard a resumed trainer asks for) its states
   come from one prefill of those ids instead of answering every prompt again: on one core
@@ -19,24 +19,7 @@ from pathlib import Path
 from draftsmith.conversations.sources import SkipLog
 from draftsmith.core.files import write_json_atomic
 from draftsmith.core.readers import read_json
-
-
-def write_sampled(writer, tokenizer, todo, shards, by_id, cfg, output: Path) -> dict:
-    """Sampled replies for the shards to do, written by a plain engine, cached per shard."""
-    from draftsmith.extract import sample_plan as plan
-    from draftsmith.extract.capture import write_replies
-
-    written = {}
-    for k in todo:
-        cache = path(output, k)
-        if not cache.is_file():
-            skips = SkipLog()
-            items = plan.shard_items(shards[k], by_id)
-            seqs = write_replies(writer.get(), tokenizer, items, cfg, skips)
-            rows = [row(it.id, ids, m, it.turn, it.shared) for it, ids, m in seqs]
-            save(cache, rows, skips)
-        written[k] = load(cache, by_id)
-    return written
+from draftsmith.extract.records import Item, Sequence
 
 
 def path(output: Path, k: int) -> Path:
@@ -51,29 +34,33 @@ def row(sid: str, ids: list[int], mask: list[int], turn, shared: int) -> dict:
     return {"id": sid, "input_ids": ids, "loss_mask": mask, "turn": turn, "shared": shared}
 
 
+def row_of(seq: Sequence) -> dict:
+    """:func:`row` of a sequence."""
+    sample = seq.sample
+    return row(sample.id, list(seq.input_ids), list(seq.loss_mask), sample.turn, sample.shared)
+
+
 def save(file: Path, rows: list[dict], skips: SkipLog) -> None:
     """Write one shard's sequences (see :func:`row`) and the samples its capture skipped."""
     file.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(file, {"sequences": rows, "skipped": skips.to_dict()})
 
 
-def load(file: Path, by_id: dict) -> tuple[list, SkipLog]:
-    """The cached sequences of one shard as capture's ``written`` and its skip log."""
+def load(file: Path, by_id: dict[str, Item]) -> tuple[list[Sequence], SkipLog]:
+    """The kept sequences of one shard (final: captured by prefill) and its skip log."""
     fix = f"delete {file}; the shard's replies are then generated again"
     data = read_json(file, "kept replies", fix, keys=("sequences", "skipped"))
     skips = SkipLog()
     for skipped in data["skipped"]["rows"]:
         skips.add(skipped["id"], None, skipped["reason"], skipped.get("detail", ""))
     skips.truncated = data["skipped"].get("truncated", 0)
-    seqs = [(_item(by_id, r), r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
+    seqs = [Sequence(_item(by_id, r), r["input_ids"], r["loss_mask"]) for r in data["sequences"]]
     return seqs, skips
 
 
-def _item(by_id: dict, cached: dict):
+def _item(by_id: dict[str, Item], cached: dict) -> Item:
     """The item of one cached sequence (a turn item for a per-turn sample)."""
-    from draftsmith.extract.sample_plan import turn_item
-
     item = by_id[cached["id"]]
     if cached.get("turn") is None or item.turn is not None:
         return item
-    return turn_item(item, cached["turn"], cached.get("shared", 0))
+    return item.for_turn(cached["turn"], cached.get("shared", 0))

@@ -15,7 +15,7 @@ shares with the previous one, so the manifest can tell stored from unique tokens
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.conversations.sources import Conversation, DataError, SkipLog
@@ -29,8 +29,12 @@ from draftsmith.conversations.template import (
     render_turns,
 )
 from draftsmith.core.targets import TargetInfo
-from draftsmith.dataset.manifest import PLAN_FILE, OutputMismatch, read_plan
+from draftsmith.dataset.manifest import PLAN_FILE, OutputMismatch, read_plan, write_plan
 from draftsmith.extract.config import ExtractConfig
+from draftsmith.extract.records import DataOptions, Item, common_prefix
+
+# What planning reads: the command's resolved options, or the config itself (same fields).
+Options = DataOptions | ExtractConfig
 
 # Options that change what is stored; anything else (engine, workers, verify) does not.
 CONTENT_KEYS = (
@@ -45,49 +49,6 @@ CONTENT_KEYS = (
     "samples_per_shard",
     "seed",
 )
-
-
-@dataclass
-class Item:
-    """One planned sample.
-
-    Without regeneration (or when the sample keeps its replies) `input_ids` / `loss_mask`
-    are final; with it they are empty and the messages' user turns are answered by the
-    target during capture.
-    """
-
-    id: str
-    messages: list[dict]
-    input_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    tools: list[dict] | None = None
-    """The conversation's tool definitions, given to the chat template."""
-    turn: int | None = None
-    """The assistant turn (from 1) this sample holds alone; None: the whole conversation."""
-    rounds: int = 0
-    """With regeneration, for a template that is not prefix-stable: the number of replies
-    the target writes, each captured as its own sample ``{id}#{k}``. 0: one sample."""
-    shared: int = 0
-    """Leading tokens equal to the conversation's previous turn sample (a repeated prefix)."""
-
-    def sample_ids(self) -> list[str]:
-        """The ids of the samples this item becomes, in order."""
-        return [f"{self.id}#{k}" for k in range(1, self.rounds + 1)] if self.rounds else [self.id]
-
-
-def turn_item(item: Item, turn: int, shared: int = 0) -> Item:
-    """The sample of `item`'s `turn`-th regenerated reply."""
-    return Item(f"{item.id}#{turn}", item.messages, tools=item.tools, turn=turn, shared=shared)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def fingerprint(cfg: ExtractConfig, target: TargetInfo, layer_ids: list[int]) -> dict:
@@ -127,69 +88,78 @@ def check_fingerprint(output: Path, expected: dict) -> None:
         )
 
 
-def plan_items(
-    convs: list[Conversation], tokenizer, cfg: ExtractConfig, skips: SkipLog
-) -> list[Item]:
+def plan_items(convs: list[Conversation], tokenizer, opts: Options, skips: SkipLog) -> list[Item]:
     """Tokenise (or, with regeneration, only check) every conversation; skip and count.
 
-    `cfg.limit` counts conversations, whatever number of samples each becomes."""
-    groups: list[list[Item]] = []  # the items of each conversation kept
-    keeps = _keeper(cfg.keep_replies)
-    ends = None if cfg.keep_reasoning else reasoning_ends(tokenizer)
-    for conv in convs:
-        chat = {"tools": conv.tools, "kwargs": cfg.chat_template_kwargs}
-        has_replies = any(m["role"] == "assistant" for m in conv.messages)
-        # The target cannot call tools here: a conversation with tool calls keeps its replies.
-        if cfg.regenerate and not (has_replies and (_uses_tools(conv) or keeps())):
-            users = [m for m in conv.messages if m["role"] == "user"]
-            if not users:
-                skips.add(conv, conv.row, "no_user_turn")
-                continue
-            kept = [m for m in conv.messages if m["role"] != "assistant"]
-            try:
-                stable = len(users) < 2 or is_prefix_stable(tokenizer, _answered(kept), **chat)
-            except TemplateError as err:
-                _template_error(conv, err, cfg, skips)
-                continue
-            rounds = 0 if stable else len(users)
-            groups.append([Item(conv.id, kept, tools=conv.tools, rounds=rounds)])
-            continue
-        try:
-            try:
-                whole = render_conversation(tokenizer, conv.messages, **chat)
-                samples = [(conv.id, None, whole.input_ids, whole.loss_mask)]
-            except NotPrefixStable:
-                turns = render_turns(tokenizer, conv.messages, **chat)
-                samples = [
-                    (f"{conv.id}#{k}", k, r.input_ids, r.loss_mask)
-                    for k, r in enumerate(turns, start=1)
-                ]
-        except TemplateError as err:
-            _template_error(conv, err, cfg, skips)
-            continue
-        group: list[Item] = []
-        for sample_id, turn, ids, mask in samples:
-            if ends is not None:
-                mask = mask_reasoning(ids, mask, ends)
-            if len(ids) > cfg.max_length:
-                if cfg.overlong == "skip":
-                    detail = f"{len(ids)} > max_length {cfg.max_length}"
-                    skips.add(conv.source, conv.row, "too_long", detail, id=sample_id)
-                    continue
-                ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-                skips.truncated += 1
-            if not any(mask):
-                detail = "nothing of the assistant fits"
-                skips.add(conv.source, conv.row, "no_loss_tokens", detail, id=sample_id)
-                continue
-            shared = common_prefix(group[-1].input_ids, ids) if group else 0
-            item = Item(sample_id, conv.messages, ids, mask, conv.tools, turn, shared=shared)
-            group.append(item)
-        if group:
-            groups.append(group)
-    if cfg.limit is not None:
-        groups = groups[: cfg.limit]
+    `opts.limit` counts conversations, whatever number of samples each becomes."""
+    keeps = _keeper(opts.keep_replies)
+    ends = None if opts.keep_reasoning else reasoning_ends(tokenizer)
+    groups = [  # the items of each conversation kept
+        group
+        for conv in convs
+        if (group := plan_conversation(conv, tokenizer, opts, keeps, ends, skips))
+    ]
+    if opts.limit is not None:
+        groups = groups[: opts.limit]
     return [item for group in groups for item in group]
+
+
+def plan_conversation(
+    conv: Conversation, tokenizer, opts: Options, keeps, ends, skips: SkipLog
+) -> list[Item]:
+    """The samples of one conversation ([] when it is skipped, counted in `skips`).
+
+    With regeneration, one item whose user turns the target answers later (``rounds`` > 0
+    when the template needs a sample per turn); otherwise its rendered samples, final.
+    `keeps()` says whether a conversation with replies keeps them (``keep_replies``);
+    `ends` are the reasoning markers whose reply part leaves the loss (None: keep it)."""
+    chat = {"tools": conv.tools, "kwargs": opts.chat_template_kwargs}
+    has_replies = any(m["role"] == "assistant" for m in conv.messages)
+    # The target cannot call tools here: a conversation with tool calls keeps its replies.
+    if opts.regenerate and not (has_replies and (_uses_tools(conv) or keeps())):
+        users = [m for m in conv.messages if m["role"] == "user"]
+        if not users:
+            skips.add(conv, conv.row, "no_user_turn")
+            return []
+        kept = [m for m in conv.messages if m["role"] != "assistant"]
+        try:
+            stable = len(users) < 2 or is_prefix_stable(tokenizer, _answered(kept), **chat)
+        except TemplateError as err:
+            _template_error(conv, err, opts, skips)
+            return []
+        rounds = 0 if stable else len(users)
+        return [Item(conv.id, kept, tools=conv.tools, rounds=rounds)]
+    try:
+        try:
+            whole = render_conversation(tokenizer, conv.messages, **chat)
+            samples = [(conv.id, None, whole.input_ids, whole.loss_mask)]
+        except NotPrefixStable:
+            turns = render_turns(tokenizer, conv.messages, **chat)
+            samples = [
+                (f"{conv.id}#{k}", k, r.input_ids, r.loss_mask)
+                for k, r in enumerate(turns, start=1)
+            ]
+    except TemplateError as err:
+        _template_error(conv, err, opts, skips)
+        return []
+    group: list[Item] = []
+    for sample_id, turn, ids, mask in samples:
+        if ends is not None:
+            mask = mask_reasoning(ids, mask, ends)
+        if len(ids) > opts.max_length:
+            if opts.overlong == "skip":
+                detail = f"{len(ids)} > max_length {opts.max_length}"
+                skips.add(conv.source, conv.row, "too_long", detail, id=sample_id)
+                continue
+            ids, mask = ids[: opts.max_length], mask[: opts.max_length]
+            skips.truncated += 1
+        if not any(mask):
+            detail = "nothing of the assistant fits"
+            skips.add(conv.source, conv.row, "no_loss_tokens", detail, id=sample_id)
+            continue
+        shared = common_prefix(group[-1].input_ids, ids) if group else 0
+        group.append(Item(sample_id, conv.messages, ids, mask, conv.tools, turn, shared=shared))
+    return group
 
 
 # A reply standing in for the target's when checking, before it answers, how the template
@@ -211,8 +181,8 @@ def _uses_tools(conv: Conversation) -> bool:
     return bool(conv.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in conv.messages)
 
 
-def _template_error(conv: Conversation, err: TemplateError, cfg: ExtractConfig, skips) -> None:
-    if cfg.bad_rows == "error":
+def _template_error(conv: Conversation, err: TemplateError, opts: Options, skips) -> None:
+    if opts.bad_rows == "error":
         raise DataError(f"{conv.source}:{conv.row}: field 'messages': {err}") from err
     skips.add(conv, None, "template_error", str(err))
 
@@ -231,6 +201,34 @@ def _keeper(share: float):
         return math.floor(count * share) > math.floor((count - 1) * share)
 
     return keeps
+
+
+@dataclass
+class Plan:
+    """The dataset's samples in shard order (what ``plan.json`` lists) and the planned
+    item behind each sample id."""
+
+    shards: list[list[str]]
+    by_id: dict[str, Item]
+
+    def items(self, k: int) -> list[Item]:
+        """The items of shard `k`, each once, in order."""
+        return shard_items(self.shards[k], self.by_id)
+
+
+def plan_dataset(
+    convs: list[Conversation], tokenizer, opts: Options, skips: SkipLog, output: Path, fp: dict
+) -> Plan:
+    """Plan every conversation (:func:`plan_items`) into shards of ``samples_per_shard``
+    items and write ``plan.json`` with the fingerprint `fp` in `output` (or check the one
+    there: a resumed run must plan the same samples)."""
+    items = plan_items(convs, tokenizer, opts, skips)
+    if not items:
+        raise DataError(f"data: {opts.data} gave no usable conversation ({skips.by_reason()})")
+    shards = shard_ids(items, opts.samples_per_shard)
+    by_id = {sid: it for it in items for sid in it.sample_ids()}
+    write_plan(output, fp, shards, skips.to_dict())
+    return Plan(shards, by_id)
 
 
 def shard_ids(items: list[Item], per_shard: int) -> list[list[str]]:
