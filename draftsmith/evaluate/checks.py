@@ -75,8 +75,9 @@ def read_head_config(head: str) -> dict:
 
 def head_kind(cfg) -> type[drafters.Drafter]:
     """The kind of ``cfg.head`` served with ``cfg.method`` (DFlash and DFlash2 share ``dflash``:
-    the head's ``config.json`` tells them apart)."""
-    config = read_head_config(cfg.head) if cfg.head else None
+    the head's ``config.json`` tells them apart; without one, the method's first kind)."""
+    has_config = cfg.head and (Path(cfg.head) / "config.json").is_file()
+    config = read_head_config(cfg.head) if has_config else None
     return drafters.kind_of_method(cfg.method, config)
 
 
