@@ -71,9 +71,9 @@ COMMANDS = {
         "draftsmith.train.export:ExportConfig",
     ),
     "convert": Command(
-        "draftsmith.train.convert",
+        "draftsmith.convert.main",
         "read a published EAGLE-3 head in any layout, write it for vllm/sglang/trtllm/...",
-        "draftsmith.train.convert:ConvertConfig",
+        "draftsmith.convert.main:ConvertConfig",
     ),
     "eval": Command(
         "draftsmith.evaluate.main",
