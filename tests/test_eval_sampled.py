@@ -158,3 +158,28 @@ def test_with_the_kernel_fixed_served_meets_expected_and_sampling_passes(sampled
     assert hot["counters"]["num_accepted_tokens"] > 0
     assert hot["expected"]["flag"] != "gap", hot["expected"]
     assert hot["expected"]["replayed_drafts"] == hot["counters"]["num_drafts"]
+
+
+def test_an_engine_starts_in_a_process_where_ngram_loaded_numba():
+    """vLLM-CPU's kernel rebinding scans every loaded module; llvmlite (loaded with numba by
+    the ngram proposer) breaks the scan, and the plugin hides it (``fix_kernel_rebind``)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import vllm.v1.spec_decode.ngram_proposer\n"
+        "from vllm.triton_utils import dispatcher\n"
+        "from draftsmith.core import vllm_fixes\n"
+        "try:\n"
+        "    dispatcher._rebind_kernels([]); print('stock ok')\n"
+        "except AttributeError:\n"
+        "    print('stock broken')\n"
+        "vllm_fixes.fix_kernel_rebind()\n"
+        "dispatcher._rebind_kernels([]); print('fixed ok')\n"
+        "import sys; print('numba back', 'numba' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    lines = out.stdout.split()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "broken" in lines, "vLLM scans safely now: drop fix_kernel_rebind and its note"
+    assert out.stdout.splitlines()[-2:] == ["fixed ok", "numba back True"]

