@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,22 +97,40 @@ def export_dflash(
     """Write ``head`` for ``target`` to ``out_dir`` (atomically). ``layer_ids``: draftsmith
     ids, checked against the drafter's; ``num_speculative_tokens``: the card's suggestion,
     default block_size - 1; ``card``: extra model-card sections."""
-    if layer_ids is not None and [i - 1 for i in layer_ids] != head.target_layer_ids:
-        raise ConfigError(
-            f"layer_ids {layer_ids} do not match the drafter's target_layer_ids "
-            f"{head.target_layer_ids} (+1 each); export the checkpoint as it was trained"
-        )
     config = dflash_config(head, target.config, dtype)
-    k = num_speculative_tokens or head.block_size - 1
+    files = BlockHeadFiles(config, dflash_tensors(head, dtype), model_card)
+    return files.write(head, target, out_dir, layer_ids, num_speculative_tokens, card, dtype)
 
-    def write(tmp: Path) -> None:
-        save_file(dflash_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
-        write_mask_embedding(head, tmp, dtype)
-        write_json_atomic(tmp / "config.json", config)
-        final = Path(out_dir).absolute()
-        (tmp / "README.md").write_text(model_card(config, target.path, final, k, card or {}))
 
-    return write_head_dir(out_dir, write)
+@dataclass
+class BlockHeadFiles:
+    """What a DFlash-family directory holds (DFlash2 writes its own config, tensors, card)."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    card: Callable[..., str]
+    """``card(config, target path, final directory, k, card sections)`` -> README.md."""
+
+    def write(self, head: DFlashDrafter, target: TargetInfo, out_dir: Path,
+              layer_ids: list[int] | None, num_speculative_tokens: int | None,
+              card: dict[str, Any] | None, dtype: torch.dtype) -> Path:  # fmt: skip
+        """The directory, atomically: the files, ``mask_embedding.pt`` and the card."""
+        if layer_ids is not None and [i - 1 for i in layer_ids] != head.target_layer_ids:
+            raise ConfigError(
+                f"layer_ids {layer_ids} do not match the drafter's target_layer_ids "
+                f"{head.target_layer_ids} (+1 each); export the checkpoint as it was trained"
+            )
+        k = num_speculative_tokens or head.block_size - 1
+
+        def write(tmp: Path) -> None:
+            save_file(self.tensors, tmp / "model.safetensors", {"format": "pt"})
+            write_mask_embedding(head, tmp, dtype)
+            write_json_atomic(tmp / "config.json", self.config)
+            final = Path(out_dir).absolute()
+            readme = self.card(self.config, target.path, final, k, card or {})
+            (tmp / "README.md").write_text(readme)
+
+        return write_head_dir(out_dir, write)
 
 
 def model_card(

@@ -30,15 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from draftsmith.core.errors import ConfigError
-from draftsmith.core.files import write_json_atomic
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.dflash.export import (
     NOT_IN_SAFETENSORS,
+    BlockHeadFiles,
     read_mask_embedding,
-    write_mask_embedding,
 )
 from draftsmith.drafters.dflash2.model import DFlash2Drafter
 from draftsmith.drafters.headfiles.directory import (
@@ -47,7 +44,6 @@ from draftsmith.drafters.headfiles.directory import (
     card_text,
     section,
     state_tensors,
-    write_head_dir,
 )
 from draftsmith.drafters.headfiles.read import block_layer_kwargs, check_tensors, read_head_files
 
@@ -88,22 +84,9 @@ def export_dflash2(
     """Write ``head`` for ``target`` to ``out_dir`` (atomically). ``layer_ids``: draftsmith
     ids, checked against the drafter's; ``num_speculative_tokens``: the card's k (default
     block_size - 1); ``card``: extra model-card sections."""
-    if layer_ids is not None and [i - 1 for i in layer_ids] != head.target_layer_ids:
-        raise ConfigError(
-            f"layer_ids {layer_ids} do not match the drafter's target_layer_ids "
-            f"{head.target_layer_ids} (+1 each); export the checkpoint as it was trained"
-        )
     config = dflash2_config(head, target.config, dtype)
-    k = num_speculative_tokens or head.block_size - 1
-
-    def write(tmp: Path) -> None:
-        save_file(dflash2_tensors(head, dtype), tmp / "model.safetensors", {"format": "pt"})
-        write_mask_embedding(head, tmp, dtype)
-        write_json_atomic(tmp / "config.json", config)
-        final = Path(out_dir).absolute()
-        (tmp / "README.md").write_text(model_card(config, target.path, final, k, card or {}))
-
-    return write_head_dir(out_dir, write)
+    files = BlockHeadFiles(config, dflash2_tensors(head, dtype), model_card)
+    return files.write(head, target, out_dir, layer_ids, num_speculative_tokens, card, dtype)
 
 
 def model_card(
