@@ -174,7 +174,8 @@ class DraftReplica:
         states = [captured["last"] if i == n else out.hidden_states[i] for i in self.layer_ids]
         aux = torch.cat(states, dim=-1).float()  # [1, L, n_aux * H]
         positions = torch.arange(tokens.numel())[None]
-        steps = ttt_unroll(self.head, tokens[None], aux, positions, torch.zeros_like(positions), k)
+        steps = ttt_unroll(self.head, tokens[None], aux, positions, torch.zeros_like(positions), k,
+                           window=self.head.sliding_window)  # fmt: skip
         drafts = [
             self.head.draft_to_target((s[0] @ self.head.logits_weight.T).argmax(-1)) for s in steps
         ]

@@ -44,9 +44,11 @@ def unrolled_loss(
     head = trainee.head
     compiled = use_compile(opt.compile, opt.ttt_steps, states.device)
     unroll = compiled_unroll() if compiled else ttt_unroll
+    row = batch["input_ids"].shape[1]
     steps = unroll(
         head, batch["input_ids"], states, batch["position_ids"], batch["doc_ids"],
-        opt.ttt_steps, resolve_attention(opt.attention, states.device, compiled),
+        opt.ttt_steps, resolve_attention(opt.attention, states.device, compiled, row),
+        window=head.sliding_window,
     )  # fmt: skip
     top1 = None
     if not trainee.training:  # accuracy as vLLM judges it: the target's argmax over all ids
