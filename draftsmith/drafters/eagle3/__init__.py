@@ -70,6 +70,16 @@ class Eagle3(Drafter):
         check_window(opt.sliding_window, opt.ttt_steps, "model.ttt_steps",
                      "the last draft step must still see the context")  # fmt: skip
 
+    def sequence_halo(self) -> int | None:
+        """Serial TTT splits a row across ranks (teacher rows ``ttt_steps`` past a shard);
+        P-EAGLE's one pass does not."""
+        if self.options.compile == "on":
+            raise ConfigError(
+                "model.compile: on with data.sequence_parallel > 1 (its all-to-alls inside the "
+                "compiled unroll are untested); set model.compile auto or off"
+            )
+        return None if self.options.parallel_drafting else self.options.ttt_steps
+
     def build(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
         opt = self.options
         if opt.init_from is not None:
