@@ -120,6 +120,7 @@ def test_cpu_runtime_env_fills_defaults_and_keeps_the_users(tmp_path, monkeypatc
 RECIPES = {
     "llama3.1-8b.yaml": "llama3.1-8b",
     "qwen3-8b.yaml": "qwen3-8b",
+    "qwen3-8b-64k.yaml": "qwen3-8b-yarn",
     "qwen3-30b-a3b.yaml": "qwen3-30b-a3b",
     "gpt-oss-20b.yaml": "gpt-oss-20b",
 }

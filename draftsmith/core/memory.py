@@ -54,7 +54,22 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's mallopt (malloc.h)
+
+
+def map_large_allocations(threshold: int = 1 << 16) -> bool:
+    """Map every allocation of ``threshold`` bytes or more afresh and unmap it when freed.
+
+    A threshold set explicitly stays put (glibc otherwise raises it to the size of each
+    mapped block freed, up to 32 MiB, and keeps later blocks of that size in its heap), so
+    the resident set follows the memory in use: ``bench.memory`` reads peaks from it.
+    Returns False where the C library has no ``mallopt`` (not glibc).
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
 def keep_freed_memory() -> bool:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith import drafters
+from draftsmith.core.console import say
 from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.headfiles import read as headread
 from draftsmith.drafters.headfiles.directory import HeadError
+from draftsmith.drafters.headfiles.windows import window_note
 
 MAX_K = 16
 REEXPORT = "re-export the head with `draftsmith export`"
@@ -113,6 +115,8 @@ def check_head(head: str, method: str, target: TargetInfo) -> dict:
     for file in weights:
         shapes.update(tensor_shapes(file))
     kind.check_head(head, method, config, shapes, target)
+    if note := window_note(config):  # served, but not as it was trained
+        say(f"eval: {head}: {note}")
     return config
 
 

@@ -99,6 +99,9 @@ COMMANDS = {
     "bench-loader": Command(
         "draftsmith.bench.loader", "time the training data path alone (tokens/s)"
     ),
+    "bench-memory": Command(
+        "draftsmith.bench.memory", "peak memory of a training step against the row length"
+    ),
     "bench-gpu": Command(
         "draftsmith.bench.gpu",
         "the device benchmark: bench-train rows, profiles, speculators, the loader",

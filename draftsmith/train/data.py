@@ -121,6 +121,10 @@ class StatesDataModule(pl.LightningDataModule):
         stream: train while ``draftsmith extract --stream true`` writes ``data`` (shard
             order): the disk bound, the policy after each epoch, the producer timeout
             (``draftsmith.dataset.stream``). Null: the dataset is already extracted.
+        sequence_parallel: ranks that share each row, each holding ``row_tokens / N`` of its
+            states (Ulysses all-to-all attention; ``drafters/attention/sequence_parallel.py``):
+            rows of 64k tokens on 8 GPUs. Consecutive ranks form a group and get the same
+            rows; it must divide the process count and ``row_tokens``. Serial TTT (eagle3).
     """
 
     def __init__(
@@ -141,8 +145,15 @@ class StatesDataModule(pl.LightningDataModule):
         order: Literal["samples", "shards"] = "samples",
         fit_shards: int | None = None,
         stream: StreamOptions | None = None,
+        sequence_parallel: int = 1,
     ) -> None:
         super().__init__()
+        if sequence_parallel < 1 or row_tokens % sequence_parallel:
+            raise ConfigError(
+                f"data.sequence_parallel: {sequence_parallel}; give a divisor of data.row_tokens "
+                f"{row_tokens} (1: each rank trains whole rows)"
+            )
+        self.sequence_parallel = sequence_parallel
         if row_tokens < 1 or batch_size < 1 or num_workers < 0 or noise_std < 0:
             raise ConfigError(
                 "data: row_tokens and batch_size must be >= 1, num_workers and noise_std >= 0; "
@@ -249,9 +260,7 @@ class StatesDataModule(pl.LightningDataModule):
     def _loader(self, dataset: HiddenStatesDataset, indices: list[int], seed: int | None):
         lengths = [dataset.lengths[i] for i in indices]
         rows = [[indices[i] for i in row] for row in pack(lengths, self.row_tokens, seed)]
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        sampler = RowSampler(len(rows), seed, rank, world)
+        sampler = RowSampler(len(rows), seed, *self.ranks())
         return ResumableLoader(
             PackedDataset(dataset, rows, self.row_tokens, self.aux_layer_ids),
             batches_done=self._batches_done,
@@ -268,16 +277,23 @@ class StatesDataModule(pl.LightningDataModule):
         """Training batches per epoch on each rank (the packing is computed, no data read;
         in shard order, estimated from the first ``fit_shards`` shards)."""
         if self.order == "shards":
-            plan, world = self._shard_plan(), self.trainer.world_size if self.trainer else 1
+            plan, world = self._shard_plan(), self.ranks()[1]
             window = [int(p.stem.split("-")[1]) for p in self.dataset.shard_paths]
             per_shard = sum(plan.batches(k, plan.info(k)) for k in window)
             per_shard /= max(len(window), 1)
             return max(1, math.ceil(per_shard * math.ceil(len(self.all_shards) / world)))
         lengths = [self.dataset.lengths[i] for i in self.train_indices]
         rows = len(pack(lengths, self.row_tokens, self.seed))
-        world = self.trainer.world_size if self.trainer is not None else 1
-        per_rank = math.ceil(rows / world)
+        per_rank = math.ceil(rows / self.ranks()[1])
         return math.ceil(per_rank / self.batch_size)
+
+    def ranks(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, their count): the ranks sharing a row
+        (``sequence_parallel``) are consecutive and read the same rows."""
+        if self.trainer is None:
+            return 0, 1
+        sp = self.sequence_parallel
+        return self.trainer.global_rank // sp, max(self.trainer.world_size // sp, 1)
 
     def _batches_done(self) -> int:
         """Training batches this rank has finished in the current epoch (for resuming)."""
@@ -294,8 +310,7 @@ class StatesDataModule(pl.LightningDataModule):
 
     def _shard_plan(self) -> ShardPlan:
         if self.shard_plan is None:
-            rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer \
-                else (0, 1)  # fmt: skip
+            rank, world = self.ranks()
             val_ids = set() if self.val_data else {self.dataset.ids[i] for i in self.val_indices}
             self.shard_plan = ShardPlan(
                 Path(self.data),
@@ -310,8 +325,7 @@ class StatesDataModule(pl.LightningDataModule):
         return self.shard_plan
 
     def _shard_loader(self) -> ShardLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
+        rank, world = self.ranks()
 
         def stop() -> None:
             if self.trainer is not None:

@@ -26,6 +26,7 @@ from draftsmith.core.errors import exit_code
 from draftsmith.core.outputs import check_output, head_dir
 from draftsmith.core.targets import read_target
 from draftsmith.drafters.headfiles.read import read_head_config
+from draftsmith.drafters.headfiles.windows import window_note
 from draftsmith.train.checkpoints import CheckpointError, head_from_checkpoint, read_checkpoint
 
 
@@ -108,6 +109,8 @@ def run_stage(cfg: ExportConfig) -> int:
         )
     out = export_checkpoint(cfg)
     say(f"exported: {out}  ({serve_hint(out)})")
+    if note := window_note(read_head_config(str(out))):
+        say(f"export: {note}")
     return 0
 
 

@@ -19,6 +19,7 @@ disk ends in one line naming the path and the free space (``checkpoint_io.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -32,6 +33,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from draftsmith import drafters
 from draftsmith.core.config import parse_errors
 from draftsmith.core.console import say, stage_log
 from draftsmith.core.cores import avoid_busy_cores
@@ -166,6 +168,7 @@ class TrainCLI(LightningCLI):
                 f"trainer.strategy: {class_path} runs on CUDA GPUs only; on CPU use class_path "
                 f"{GPU_ONLY[class_path]} (same init_args), or trainer.accelerator: gpu"
             )
+        check_sequence_parallel(config)
         if self.dry_run:  # the dataset is written by the stage before
             return
         if not config.data.data or not Path(config.data.data).is_dir():
@@ -185,6 +188,35 @@ class TrainCLI(LightningCLI):
             args = getattr(logger, "init_args", None)
             if args is not None and logger.class_path.endswith("WandbLogger") and not args.name:
                 args.name = Path(str(config.config[0])).stem if config.get("config") else None
+
+
+def check_sequence_parallel(config: Any) -> None:
+    """``data.sequence_parallel`` against the processes and the kind, before anything starts
+    (a dry run included): it must divide ``data.row_tokens`` and ``trainer.devices x
+    trainer.num_nodes``, and the kind must split a row (``Drafter.sequence_halo``)."""
+    size = config.data.get("sequence_parallel") or 1
+    if size == 1:
+        return
+    row = config.data.get("row_tokens")
+    if row and row % size:
+        raise ConfigError(
+            f"data.sequence_parallel: {size} does not divide data.row_tokens {row}; give "
+            f"row_tokens a multiple of {size}"
+        )
+    devices, nodes = config.trainer.devices, config.trainer.num_nodes or 1
+    if isinstance(devices, int) and devices > 0 and (devices * nodes) % size:
+        raise ConfigError(
+            f"data.sequence_parallel: {size} does not divide the {devices * nodes} processes "
+            f"(trainer.devices x trainer.num_nodes); give a divisor of {devices * nodes}"
+        )
+    model = config.model.as_dict() if hasattr(config.model, "as_dict") else dict(config.model)
+    kind = drafters.get(model.get("kind") or "eagle3")
+    own = {f.name for f in dataclasses.fields(kind.Options)}
+    if kind(kind.Options(**{k: v for k, v in model.items() if k in own})).sequence_halo() is None:
+        raise ConfigError(
+            f"data.sequence_parallel: {size}, but model.kind {kind.name} (with these options) "
+            "cannot split a row across ranks; only serial TTT (eagle3) can: set it to 1"
+        )
 
 
 def charge_wait(trainer: Trainer, seconds: float) -> str | None:

@@ -34,6 +34,7 @@ from draftsmith import drafters
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, read_target
+from draftsmith.drafters.attention.sequence_parallel import SequenceShard, make_shard
 from draftsmith.drafters.losses.acceptance import acceptance_from_counts
 from draftsmith.drafters.protocol import TrainingData
 from draftsmith.drafters.protocol.batch import PAD_DOC_ID
@@ -93,6 +94,7 @@ class DraftModule(pl.LightningModule):
             }
         )
         self.head: torch.nn.Module | None = None
+        self.sequence_shard: SequenceShard | None = None  # data.sequence_parallel > 1
         self.info: dict[str, Any] = {}  # what export needs: saved in every checkpoint
         self._val_seen: Tensor | None = None
         self._val_hit: Tensor | None = None
@@ -109,6 +111,15 @@ class DraftModule(pl.LightningModule):
         target = read_target(self.hparams.target or dm.target_path)
         dm.check_target(target)
         self.build(target, dm.aux_layer_ids, dm.teacher_layer_id, dm)
+        if dm.sequence_parallel > 1:
+            halo = self.drafter.sequence_halo()
+            if halo is None:
+                raise ConfigError(
+                    f"data.sequence_parallel: {dm.sequence_parallel}, but model.kind "
+                    f"{self.drafter.name} (with these options) cannot split a row across "
+                    "ranks; only serial TTT (eagle3) can: set data.sequence_parallel 1"
+                )
+            self.sequence_shard = make_shard(dm.sequence_parallel, dm.row_tokens, halo)
         self.info.update(self.drafter.fit_to_data(self, target, dm))
         self.info["data"] = {
             "path": str(dm.data),
@@ -161,6 +172,10 @@ class DraftModule(pl.LightningModule):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.target_norm
         return x.to(batch["teacher_states"].dtype)
 
+    def on_before_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
+        """Sequence parallelism: only this rank's share of the states moves to the device."""
+        return batch if self.sequence_shard is None else self.sequence_shard.take(batch)
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, out = self.drafter.loss(self, batch)
         logs = {
@@ -180,7 +195,9 @@ class DraftModule(pl.LightningModule):
         """Real (non-padding) tokens per second, batch end to batch end (data loading included)."""
         now = time.perf_counter()
         if self._last_batch_end is not None:
-            rate = self._tokens * self.trainer.world_size / max(now - self._last_batch_end, 1e-9)
+            share = self.sequence_shard.size if self.sequence_shard is not None else 1
+            rows = self.trainer.world_size // share  # ranks sharing a row count it once
+            rate = self._tokens * rows / max(now - self._last_batch_end, 1e-9)
             self.log("train/tokens_per_s", rate, prog_bar=True, rank_zero_only=True)
         self._last_batch_end = now
 
@@ -208,8 +225,9 @@ class DraftModule(pl.LightningModule):
         token), with counts summed over every validation batch and rank; ``_k{k}`` reads the
         walk's first k positions."""
         seen, hit = self._val_seen, self._val_hit
-        if self.trainer.world_size > 1:
-            seen, hit = self.all_gather(seen).sum(0), self.all_gather(hit).sum(0)
+        if self.trainer.world_size > 1:  # the ranks sharing a row hold its counts each
+            share = self.sequence_shard.size if self.sequence_shard is not None else 1
+            seen, hit = (self.all_gather(x).sum(0) // share for x in (seen, hit))
         for k in range(1, len(seen) + 1):
             al = acceptance_from_counts(seen[:k], hit[:k])
             self.log(f"val/acceptance_length_k{k}", al, rank_zero_only=True)

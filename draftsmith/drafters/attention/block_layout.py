@@ -3,8 +3,10 @@ input ids and positions, and the attention mask over (context keys, block keys).
 
 A block anchored at row position ``a`` is ``[x_a, MASK, ..., MASK]`` at positions
 ``a .. a + bs - 1``; it sees the context of its own document before ``a`` and its own
-slots (both directions), as vLLM's block drafters do. ``block_states`` drafts a block at every
-position of one sequence (the kinds' eval replicas).
+slots (both directions), as vLLM's block drafters do. With a sliding window of ``w`` tokens
+slot ``i`` sees only the keys at most ``w - 1`` positions from its own, either side (vLLM
+makes a window symmetric for non-causal attention; ``masks.py``). ``block_states`` drafts a
+block at every position of one sequence (the kinds' eval replicas).
 """
 
 from __future__ import annotations
@@ -38,18 +40,30 @@ def block_inputs(
     return ids.view(b, -1), pos.view(b, -1)
 
 
-def block_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, block_size: int) -> Tensor:
+def block_mask(
+    anchors: Tensor, keep: Tensor, doc_ids: Tensor, block_size: int, window: int | None = None
+) -> Tensor:
     """[B, 1, Q, T + Q] bool, Q = A * bs: slot of block j sees the context keys t with
-    ``doc(t) == doc(a_j)`` and ``t < a_j``, and the slots of block j (module docstring)."""
+    ``doc(t) == doc(a_j)`` and ``t < a_j``, and the slots of block j; with ``window``, only
+    keys within ``window - 1`` positions of the slot (module docstring). Memory O(Q x T)."""
     b, a = anchors.shape
     t = doc_ids.shape[1]
     anchor_doc = doc_ids.gather(1, anchors)  # [B, A]
     cols = torch.arange(t, device=anchors.device)
     ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (cols < anchors[:, :, None])
-    ctx = (ctx & keep[:, :, None]).repeat_interleave(block_size, dim=1)  # [B, Q, T]
+    slot = torch.arange(block_size, device=anchors.device)
+    if window is None:
+        ctx = (ctx & keep[:, :, None]).repeat_interleave(block_size, dim=1)  # [B, Q, T]
+    else:  # slot i of the block at a sits at a + i: keys t >= a + i - window + 1
+        lowest = anchors[:, :, None] + slot - window + 1  # [B, A, bs]
+        near = cols >= lowest[..., None]  # [B, A, bs, T]
+        ctx = ((ctx & keep[:, :, None])[:, :, None] & near).flatten(1, 2)  # [B, Q, T]
     block = torch.arange(a, device=anchors.device).repeat_interleave(block_size)  # [Q]
-    own = (block[:, None] == block[None, :]).expand(b, -1, -1)  # [B, Q, Q]
-    return torch.cat([ctx, own], dim=-1)[:, None]
+    own = block[:, None] == block[None, :]  # [Q, Q]
+    if window is not None:
+        gap = (slot[:, None] - slot[None, :]).abs().repeat(a, a)  # [Q, Q]
+        own = own & (gap <= window - 1)
+    return torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)[:, None]
 
 
 ANCHORS = 64  # blocks per drafter pass in ``block_states``
@@ -71,7 +85,7 @@ def block_states(head, tokens: Tensor, states: Tensor, block_size: int) -> Tenso
         anchors = torch.arange(lo, min(lo + ANCHORS, n))[None]  # a = t + 1
         keep = torch.ones_like(anchors, dtype=torch.bool)
         ids, pos = block_inputs(tokens[None], positions, anchors, block_size, head.mask_token_id)
-        mask = block_mask(anchors, keep, docs, block_size)
+        mask = block_mask(anchors, keep, docs, block_size, getattr(head, "sliding_window", None))
         slots = head(ids, pos, aux, positions, mask)[0]  # [A * bs, H]
         out[anchors[0] - 1] = slots.view(anchors.shape[1], block_size, -1)
     return out

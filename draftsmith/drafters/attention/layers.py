@@ -231,7 +231,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Llama attention with separate q/k/v projections (vLLM stacks them into qkv_proj)."""
+    """Llama attention with separate q/k/v projections (vLLM stacks them into qkv_proj);
+    ``qk_norm``: Qwen3's, each head of q and k RMS-normed before rope (``q_norm`` /
+    ``k_norm`` [head_dim], vLLM's ``Qwen3Attention``)."""
 
     def __init__(
         self,
@@ -242,6 +244,8 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         bias: bool,
+        qk_norm: bool = False,
+        eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.layer_idx, self.num_heads, self.num_kv_heads = layer_idx, num_heads, num_kv_heads
@@ -250,6 +254,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(input_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
     def forward(
         self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, attend: AttendFn
@@ -257,8 +263,11 @@ class Attention(nn.Module):
         """x [B, T, input_size], positions [B, T] -> [B, T, hidden_size]."""
         b, t, _ = x.shape
         # [B, T, n * hd] -> [B, T, n, hd] -> [B, n, T, hd]
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):  # Qwen3: per head, before rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope.tables(positions, q.dtype)  # once for q and k: no second cast
         out = attend(self.layer_idx, rope.rotate(q, cos, sin), rope.rotate(k, cos, sin), v)
@@ -284,7 +293,8 @@ class DecoderLayer(nn.Module):
 
     ``eagle3_first`` builds the EAGLE-3 first layer: q/k/v read ``2 * hidden`` features
     (``cat(input_layernorm(embeds), hidden_norm(hidden))``). ``input_norm=False`` builds the
-    EAGLE-1 first layer, whose input norm vLLM replaces by the identity.
+    EAGLE-1 first layer, whose input norm vLLM replaces by the identity. ``qk_norm``: Qwen3's
+    attention (vLLM's ``Qwen3Eagle3DecoderLayer``).
     """
 
     def __init__(
@@ -300,6 +310,7 @@ class DecoderLayer(nn.Module):
         eagle3_first: bool = False,
         input_norm: bool = True,
         norm_before_residual: bool = False,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         self.eagle3_first, self.norm_before_residual = eagle3_first, norm_before_residual
@@ -307,9 +318,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps) if input_norm else None
         if eagle3_first:
             self.hidden_norm = RMSNorm(hidden_size, eps)
-        self.self_attn = Attention(
-            layer_idx, in_size, hidden_size, num_heads, num_kv_heads, head_dim, attention_bias
-        )
+        self.self_attn = Attention(layer_idx, in_size, hidden_size, num_heads, num_kv_heads,
+                                   head_dim, attention_bias, qk_norm, eps)  # fmt: skip
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 

@@ -27,7 +27,8 @@ def init_linears(module: nn.Module, std: float = 0.02) -> None:
 
 class LlamaDraftHead(nn.Module):
     """What EAGLE-style heads share: frozen target embeddings, rotary embedding, per-layer
-    settings. Subclasses add ``fc``, their layers and ``decoder_layers()``."""
+    settings, the attention's ``sliding_window`` (None: full). Subclasses add ``fc``, their
+    layers and ``decoder_layers()``."""
 
     def __init__(self, init_kwargs: dict[str, Any]) -> None:
         super().__init__()
@@ -44,6 +45,9 @@ class LlamaDraftHead(nn.Module):
             eps=k["rms_norm_eps"],
             attention_bias=k["attention_bias"],
         )
+        if k.get("qk_norm"):  # Qwen3's attention (the kwarg only when on: old heads unchanged)
+            self.layer_kwargs["qk_norm"] = True
+        self.sliding_window: int | None = k.get("sliding_window")  # tokens; None: full
         self.rotary = RotaryEmbedding(
             self.head_dim, k["rope_theta"], k["rope_scaling"], k["max_position_embeddings"]
         )

@@ -25,26 +25,35 @@ from draftsmith.core.errors import ConfigError
 _compiled: Callable[..., Tensor] | None = None
 
 
-def ttt_mask_mod(doc_ids: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+def ttt_mask_mod(
+    doc_ids: Tensor, step: int = 0, window: int | None = None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """The TTT mask over ``(k+1) * T`` keys as flex's ``mask_mod(b, h, q, kv) -> bool``.
 
-    doc_ids [B, T]: the document of each packed position (no attention across documents).
+    doc_ids [B, T]: the document of each packed position (no attention across documents);
+    ``window``: the head's sliding window, for the queries of TTT step ``step`` (``masks.py``:
+    a step-0 key ``step + q - pos <= window - 1`` behind, a step-j key while
+    ``step - j <= window - 1``).
     """
     t = doc_ids.shape[1]
 
     def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         pos = kv % t  # the row position of key kv, written by step kv // t
         prefix = (kv < t) & (pos <= q) & (doc_ids[b, q] == doc_ids[b, pos])
-        return prefix | ((kv >= t) & (pos == q))
+        own = (kv >= t) & (pos == q)
+        if window is not None:
+            prefix = prefix & (q + step - pos <= window - 1)
+            own = own & (step - kv // t <= window - 1)
+        return prefix | own
 
     return mask_mod
 
 
-def ttt_block_mask(doc_ids: Tensor, step: int) -> BlockMask:
+def ttt_block_mask(doc_ids: Tensor, step: int, window: int | None = None) -> BlockMask:
     """The block mask of TTT step ``step`` (0-based): T queries, ``(step + 1) * T`` keys."""
     b, t = doc_ids.shape
     return create_block_mask(
-        ttt_mask_mod(doc_ids), b, None, t, (step + 1) * t, device=doc_ids.device
+        ttt_mask_mod(doc_ids, step, window), b, None, t, (step + 1) * t, device=doc_ids.device
     )
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import TargetInfo, eos_ids
+from draftsmith.drafters.attention.masks import check_window
 from draftsmith.drafters.dflash.export import export_dflash
 from draftsmith.drafters.dflash.model import DFlashDrafter, dflash_from_target
 from draftsmith.drafters.dflash.objective import dflash_loss, target_layer_ids
@@ -51,6 +52,8 @@ class DFlash(Drafter):
                 f"model.loss_decay_gamma: {opt.loss_decay_gamma}; give a positive decay (slot i "
                 "weighs exp(-(i - 1) / gamma)) or null for the paper's choice"
             )
+        check_window(opt.sliding_window, opt.block_size, "model.block_size",
+                     "a block's last slot must still see the context")  # fmt: skip
         if opt.block_size < 2 or opt.num_anchors < 1:
             raise ConfigError(
                 f"model.block_size {opt.block_size} / model.num_anchors {opt.num_anchors}: a "
@@ -72,6 +75,7 @@ class DFlash(Drafter):
             num_layers=opt.num_layers,
             block_size=opt.block_size,
             train_mask_embedding=trained,
+            sliding_window=opt.sliding_window,
             **self.head_options(),
         )
         head.set_embeddings(weights.embed)

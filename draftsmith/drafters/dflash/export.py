@@ -13,6 +13,11 @@
 - ``README.md``: how to serve it.
 
 ``dflash_config.block_size`` is informative: vLLM drafts ``num_speculative_tokens`` slots.
+
+A drafter trained with a sliding window adds ``layer_types`` (all ``sliding_attention``),
+``sliding_window``, ``use_sliding_window`` (transformers' ``Qwen3Config`` drops the window
+without it) and ``dflash_config.swa_window_size``, and sets ``dflash_config.causal: false``:
+vLLM (``qwen3_dflash._resolve_layer_attention``) otherwise makes sliding layers causal.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from draftsmith.drafters.headfiles.directory import (
     state_tensors,
     write_head_dir,
 )
+from draftsmith.drafters.headfiles.windows import window_fields
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -48,7 +54,7 @@ def dflash_config(
     head: DFlashDrafter, target_config: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> dict[str, Any]:
     """The drafter's ``config.json`` (module docstring)."""
-    return {
+    config = {
         **block_head_fields(head, target_config, ARCHITECTURE, dtype),
         "dflash_config": {
             "mask_token_id": head.mask_token_id,
@@ -56,6 +62,10 @@ def dflash_config(
             "block_size": head.block_size,
         },
     }
+    if head.sliding_window is not None:  # every layer windowed, the block still both ways
+        config |= window_fields(config["num_hidden_layers"], head.sliding_window)
+        config["dflash_config"] |= {"swa_window_size": head.sliding_window, "causal": False}
+    return config
 
 
 def dflash_tensors(head: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -55,6 +55,8 @@ class DFlashDrafter(nn.Module):
         block_size: B, slots per block: the anchor plus B - 1 drafts.
         tie_k_norm: every layer uses layer 0's ``k_norm`` (module docstring: exact on
             vLLM-CPU with several layers; the published drafters keep one per layer).
+        sliding_window: every layer's attention window in tokens (``block_layout.block_mask``;
+            exported as ``layer_types`` / ``sliding_window``); None: full attention.
     """
 
     def __init__(
@@ -76,9 +78,11 @@ class DFlashDrafter(nn.Module):
         rms_norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         rope_scaling: dict[str, Any] | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self.sliding_window = sliding_window
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.head_dim = head_dim or hidden_size // num_heads
         self.block_size, self.mask_token_id = block_size, mask_token_id

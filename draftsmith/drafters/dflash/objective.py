@@ -61,7 +61,7 @@ def run_blocks(
     ids, positions = block_inputs(
         batch["input_ids"], batch["position_ids"], anchors, bs, head.mask_token_id
     )
-    mask = block_mask(anchors, keep, batch["doc_ids"], bs)
+    mask = block_mask(anchors, keep, batch["doc_ids"], bs, head.sliding_window)
     drafts = head(ids, positions, batch["aux_states"], batch["position_ids"], mask)
     valid, target = slot_validity(anchors, keep, batch["loss_mask"], batch["doc_ids"], bs)
     gamma = opt.loss_decay_gamma or default_gamma(bs)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.drafters.protocol.options import BlockOptions, HeadOptions, exclusive
+from draftsmith.drafters.protocol.options import (
+    BlockOptions,
+    HeadOptions,
+    WindowOptions,
+    exclusive,
+)
 
 
 @dataclass
-class DFlashOptions(HeadOptions, BlockOptions):
+class DFlashOptions(HeadOptions, BlockOptions, WindowOptions):
     """A block of ``block_size`` slots drafted in one pass from the target's context."""
 
     block_size: int = 8

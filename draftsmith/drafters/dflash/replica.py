@@ -26,6 +26,7 @@ def read_dflash(head_dir: str | Path) -> tuple[DFlashDrafter, tuple[int, Tensor]
     directory ``export_dflash`` (or another DFlash trainer) wrote for vLLM."""
     from draftsmith.drafters.attention.llama import target_sizes
     from draftsmith.drafters.headfiles.read import check_tensors, read_head_files
+    from draftsmith.drafters.headfiles.windows import trained_window
 
     config, tensors = read_head_files(head_dir)
     dflash = config.get("dflash_config") or {}
@@ -46,6 +47,7 @@ def read_dflash(head_dir: str | Path) -> tuple[DFlashDrafter, tuple[int, Tensor]
         block_size=int(dflash.get("block_size", 8)),
         train_mask_embedding=mask is not None,
         tie_k_norm=False,  # each layer's own k_norm, as the files hold them
+        sliding_window=trained_window(config),
     )
     state = {n: v for n, v in head.state_dict().items() if n.split(".")[0] not in
              NOT_IN_SAFETENSORS}  # fmt: skip

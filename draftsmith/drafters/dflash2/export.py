@@ -46,6 +46,7 @@ from draftsmith.drafters.headfiles.directory import (
     state_tensors,
 )
 from draftsmith.drafters.headfiles.read import block_layer_kwargs, check_tensors, read_head_files
+from draftsmith.drafters.headfiles.windows import trained_window, window_fields
 
 ARCHITECTURE = "DFlash2DraftModel"
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -55,7 +56,7 @@ def dflash2_config(
     head: DFlash2Drafter, target_config: dict[str, Any], dtype: torch.dtype = torch.float32
 ) -> dict[str, Any]:
     """The drafter's ``config.json`` (module docstring)."""
-    return {
+    config = {
         **block_head_fields(head, target_config, ARCHITECTURE, dtype),
         "dflash_config": {
             "mask_token_id": head.mask_token_id,
@@ -64,6 +65,10 @@ def dflash2_config(
             **{k: head.init_kwargs[k] for k in SIZES},
         },
     }
+    if head.sliding_window is not None:  # as DFlash's: every layer windowed, blocks both ways
+        config |= window_fields(config["num_hidden_layers"], head.sliding_window)
+        config["dflash_config"] |= {"swa_window_size": head.sliding_window, "causal": False}
+    return config
 
 
 def dflash2_tensors(head: DFlash2Drafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -126,8 +131,11 @@ def read_vllm(head_dir: str | Path) -> DFlash2Drafter:
     where = f"head: {head_dir}"
     if (config.get("architectures") or ["?"])[0] != ARCHITECTURE or not dflash:
         raise HeadError(f"{where} is not a DFlash2DraftModel directory; give one export wrote")
-    extras = [k for k in ("layer_types", "input_embedding_scale", "output_multiplier",
-                          "final_logit_softcapping") if config.get(k) or dflash.get(k)]  # fmt: skip
+    window = trained_window(config)
+    unbuilt = ("layer_types", "input_embedding_scale", "output_multiplier",
+               "final_logit_softcapping")  # fmt: skip
+    extras = [k for k in unbuilt if (config.get(k) or dflash.get(k))
+              and not (k == "layer_types" and window)]  # fmt: skip
     if extras:
         raise HeadError(f"{where} sets {extras}; draftsmith's DFlash2 drafter builds none of them")
     layers = config["num_hidden_layers"]
@@ -136,7 +144,7 @@ def read_vllm(head_dir: str | Path) -> DFlash2Drafter:
     head = DFlash2Drafter(
         **block_layer_kwargs(config), target_layer_ids=dflash["target_layer_ids"],
         mask_token_id=dflash["mask_token_id"], block_size=dflash.get("block_size", 8),
-        tie_k_norm=tied,
+        tie_k_norm=tied, sliding_window=window,
         train_mask_embedding=(Path(head_dir) / "mask_embedding.pt").is_file(),
         **{k: dflash[k] for k in SIZES},
     )  # fmt: skip

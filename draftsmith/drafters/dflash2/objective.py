@@ -111,7 +111,7 @@ def block_objective(trainee: Trainee, opt: DFlash2Options, batch: Batch, teacher
     head, bs = trainee.head, opt.block_size
     ids, positions = block_inputs(batch["input_ids"], batch["position_ids"], anchors, bs,
                                   head.mask_token_id)  # fmt: skip
-    mask = block_mask(anchors, keep, batch["doc_ids"], bs)
+    mask = block_mask(anchors, keep, batch["doc_ids"], bs, head.sliding_window)
     drafts = head(ids, positions, batch["aux_states"], batch["position_ids"], mask)
     valid, target = slot_validity(anchors, keep, batch["loss_mask"], batch["doc_ids"], bs)
     gamma = opt.loss_decay_gamma or default_gamma(bs)

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError, DatasetError
 from draftsmith.core.targets import TargetInfo, eos_ids
+from draftsmith.drafters.attention.masks import check_window
 from draftsmith.drafters.eagle3.export import (
     check_eagle3_head,
     eagle3_config,
@@ -46,7 +47,12 @@ from draftsmith.drafters.target.vocab import (
 )
 from draftsmith.drafters.target.weights import TargetWeights
 
-ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "Eagle3Speculator")
+ARCHITECTURES = (
+    "Eagle3LlamaForCausalLM",
+    "LlamaForCausalLMEagle3",
+    "Eagle3Speculator",
+    "Eagle3Qwen3ForCausalLM",
+)
 
 
 class Eagle3(Drafter):
@@ -59,6 +65,21 @@ class Eagle3(Drafter):
     methods = {"eagle3": ARCHITECTURES, "peagle": ARCHITECTURES}
     head_class = Eagle3Head
     options: Eagle3Options
+
+    def check_options(self) -> None:
+        opt = self.options
+        check_window(opt.sliding_window, opt.ttt_steps, "model.ttt_steps",
+                     "the last draft step must still see the context")  # fmt: skip
+
+    def sequence_halo(self) -> int | None:
+        """Serial TTT splits a row across ranks (teacher rows ``ttt_steps`` past a shard);
+        P-EAGLE's one pass does not."""
+        if self.options.compile == "on":
+            raise ConfigError(
+                "model.compile: on with data.sequence_parallel > 1 (its all-to-alls inside the "
+                "compiled unroll are untested); set model.compile auto or off"
+            )
+        return None if self.options.parallel_drafting else self.options.ttt_steps
 
     def build(self, target: TargetInfo, data: TrainingData, weights: TargetWeights) -> Built:
         opt = self.options
@@ -95,6 +116,8 @@ class Eagle3(Drafter):
         )
         if opt.parallel_drafting:
             options.update(parallel_drafting=True, mask_token_id=mask_id)
+        if opt.sliding_window is not None:  # the Qwen3 draft: the one vLLM windows
+            options.update(qk_norm=True, sliding_window=opt.sliding_window)
         head = eagle3_from_target(target.config, **options)
         head.set_embeddings(weights.embed)
         info: dict[str, Any] = {"head_kwargs": head.init_kwargs, "layer_ids": aux}
@@ -133,6 +156,8 @@ class Eagle3(Drafter):
                 "model.parallel_drafting and model.init_from_target false"
             )
         head.set_embeddings(weights.embed)
+        if opt.sliding_window is not None:  # trained with it; export says if vLLM ignores it
+            head.sliding_window = head.init_kwargs["sliding_window"] = opt.sliding_window
         say(f"train: starting from the {facts.layout} head {opt.init_from} (taps "
             f"{facts.layer_ids}, {head.draft_vocab_size:,} draft ids)")  # fmt: skip
         started = {"path": str(Path(opt.init_from).absolute()), "layout": facts.layout}

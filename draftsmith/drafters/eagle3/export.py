@@ -5,6 +5,10 @@
   speculators block (``headfiles.speculators_fields``), so ``vllm serve DIR`` works. Because
   the top-level ``model_type`` is ``llama``, vLLM builds the draft from the top-level fields;
   ``transformer_layer_config`` repeats them for readers of the speculators format.
+- A head trained with ``sliding_window`` has Qwen3's q/k norms and is vLLM's
+  ``Eagle3Qwen3ForCausalLM`` (``model_type: qwen3``, ``layer_types`` all
+  ``sliding_attention``, ``sliding_window``, ``use_sliding_window``): the EAGLE-3 draft whose
+  window vLLM 0.32 applies (``headfiles/windows.py``).
 - A P-EAGLE head (trained with ``parallel_drafting``) is the same ``Eagle3LlamaForCausalLM``
   (vLLM prefixes any other name with ``Eagle3`` for method eagle3) plus ``mask_token_id`` and
   ``mask_hidden`` [1, n_aux * H_target]; its ``speculators_model_type: peagle`` makes
@@ -41,8 +45,10 @@ from draftsmith.drafters.headfiles.directory import (
     state_tensors,
     write_head_dir,
 )
+from draftsmith.drafters.headfiles.windows import window_fields
 
 ARCHITECTURE = "Eagle3LlamaForCausalLM"
+QWEN3_ARCHITECTURE = "Eagle3Qwen3ForCausalLM"  # the head with q/k norms: vLLM windows it
 
 
 def layer_ids_for(
@@ -71,7 +77,15 @@ def eagle3_config(
     """The head's ``config.json`` (module docstring)."""
     k = head.init_kwargs
     ids = layer_ids_for(head, target_config, layer_ids)
-    config, layer = llama_head_fields(head, ARCHITECTURE, target_config, dtype)
+    qwen3 = bool(k.get("qk_norm"))
+    arch = QWEN3_ARCHITECTURE if qwen3 else ARCHITECTURE
+    config, layer = llama_head_fields(head, arch, target_config, dtype)
+    if qwen3:
+        config["model_type"] = layer["model_type"] = "qwen3"
+    if k.get("sliding_window") is not None:  # the Llama draft ignores it: export says so
+        window = window_fields(k["num_layers"], k["sliding_window"])
+        config |= window
+        layer |= window
     config["norm_before_residual"] = bool(k["norm_before_residual"])
     config["norm_output"] = bool(k["norm_output"])
     # Top level: vLLM's speculators conversion (algos.update_eagle3) and its Llama Eagle-3

@@ -31,6 +31,10 @@ class Eagle3Head(LlamaDraftHead):
     ``parallel_drafting`` (P-EAGLE, ``parallel.py``) adds ``mask_hidden`` [n_aux * H_target]: the
     fused "target state" of the mask slots, which vLLM feeds through ``combine_hidden_states``
     beside the embedding of ``mask_token_id`` to draft every position in one pass.
+
+    ``qk_norm`` makes it vLLM's ``Eagle3Qwen3ForCausalLM`` (``qwen3_eagle3.py``): Qwen3
+    attention, ``{midlayer,layers.i}.self_attn.{q,k}_norm.weight`` [head_dim]; that draft
+    applies ``sliding_window`` (tokens; None: full attention), the Llama one does not.
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class Eagle3Head(LlamaDraftHead):
         fc_norm: bool = False,
         parallel_drafting: bool = False,
         mask_token_id: int | None = None,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__({k: v for k, v in locals().items() if k not in ("self", "__class__")})
         draft_vocab_size = draft_vocab_size or vocab_size

@@ -39,6 +39,7 @@ from draftsmith.drafters.headfiles.read import (
     check_tensors,
     read_head_files,
 )
+from draftsmith.drafters.headfiles.windows import trained_window
 from draftsmith.drafters.target.weights import load_target_weights
 
 LAYOUTS = ("draftsmith", "eagle", "speculators", "modelopt", "sglang")
@@ -51,11 +52,12 @@ def detect_layout(config: dict[str, Any], names: list[str] | set[str]) -> str:
     arch = (config.get("architectures") or ["?"])[0]
     layers0 = any(n.startswith(("layers.0.", "model.layers.0.")) for n in names)
     midlayer = any(n.startswith(("midlayer.", "model.midlayer.")) for n in names)
+    ours = ("Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")  # Qwen3: windowed heads
     if arch == "Eagle3Speculator" or (
-        config.get("speculators_model_type") == "eagle3" and arch != "Eagle3LlamaForCausalLM"
+        config.get("speculators_model_type") == "eagle3" and arch not in ours
     ):
         return "speculators"
-    if arch == "Eagle3LlamaForCausalLM":
+    if arch in ours:
         return "draftsmith"
     if arch == "LlamaForCausalLMEagle3":
         # ModelOpt's eagle_config carries its own keys; SpecForge's names at most the taps.
@@ -161,6 +163,8 @@ def read_head(
         parallel_drafting=mask is not None,
         mask_token_id=config.get("mask_token_id"),
     )
+    if "midlayer.self_attn.q_norm.weight" in tensors:  # Qwen3's attention
+        kwargs.update(qk_norm=True, sliding_window=trained_window(config))
     head = Eagle3Head(**kwargs)
     if mask is not None:
         tensors["mask_hidden"] = mask.reshape(-1)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.drafters.protocol.options import BlockOptions, TTTOptions, exclusive
+from draftsmith.drafters.protocol.options import (
+    BlockOptions,
+    TTTOptions,
+    WindowOptions,
+    exclusive,
+)
 
 
 @dataclass
-class Eagle3Options(TTTOptions, BlockOptions):
+class Eagle3Options(TTTOptions, BlockOptions, WindowOptions):
     """Fused low/mid/high target states, a reduced draft vocabulary."""
 
     draft_vocab_size: int | None = None

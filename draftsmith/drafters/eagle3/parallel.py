@@ -28,10 +28,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from draftsmith.drafters.attention.blockwise import prefix_attention
 from draftsmith.drafters.attention.layers import sdpa_attend
-from draftsmith.drafters.attention.ttt import document_causal_mask, shift_tokens
+from draftsmith.drafters.attention.ttt import LONG_ROW, document_causal_mask, shift_tokens
 from draftsmith.drafters.eagle3.head import Eagle3Head
 from draftsmith.drafters.eagle3.options import Eagle3Options
+from draftsmith.drafters.eagle3.parallel_mask import ParallelMask
 from draftsmith.drafters.losses.acceptance import chain_counts, step_validity
 from draftsmith.drafters.losses.loss import (
     TTTLoss,
@@ -45,17 +47,21 @@ from draftsmith.drafters.protocol import Trainee
 from draftsmith.drafters.protocol.batch import Batch
 
 
-def parallel_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, num_masks: int) -> Tensor:
+def parallel_mask(
+    anchors: Tensor, keep: Tensor, doc_ids: Tensor, num_masks: int, window: int | None = None
+) -> Tensor:
     """[B, 1, T + Q, T + Q] bool (true = attend), Q = A * num_masks.
 
-    Real slots: causal inside their document. Mask slot i of the block at anchor ``a_j``: the
-    real slots ``t <= a_j`` of ``a_j``'s document and the block's slots ``0 .. i``.
-    anchors, keep: [B, A] from ``sample_anchors``.
+    Real slots: causal inside their document. Mask slot i of the block at anchor ``a_j``
+    (position ``a_j + 1 + i``): the real slots ``t <= a_j`` of ``a_j``'s document and the
+    block's slots ``0 .. i``. A sliding ``window`` keeps the keys at most ``window - 1``
+    positions behind each query. anchors, keep: [B, A] from ``sample_anchors``.
     """
     b, a = anchors.shape
     t = doc_ids.shape[1]
     q = a * num_masks
-    real = torch.cat([document_causal_mask(doc_ids)[:, 0], doc_ids.new_zeros(b, t, q).bool()], -1)
+    real = document_causal_mask(doc_ids, window)[:, 0]
+    real = torch.cat([real, doc_ids.new_zeros(b, t, q).bool()], -1)
     anchor_doc = doc_ids.gather(1, anchors)  # [B, A]
     cols = torch.arange(t, device=anchors.device)
     ctx = (doc_ids[:, None, :] == anchor_doc[:, :, None]) & (cols <= anchors[:, :, None])
@@ -63,6 +69,10 @@ def parallel_mask(anchors: Tensor, keep: Tensor, doc_ids: Tensor, num_masks: int
     block = torch.arange(a, device=anchors.device).repeat_interleave(num_masks)  # [Q]
     slot = torch.arange(num_masks, device=anchors.device).repeat(a)  # [Q]
     own = (block[:, None] == block[None, :]) & (slot[None, :] <= slot[:, None])  # [Q, Q]
+    if window is not None:  # slot i sits at a + 1 + i: keys t >= a + 2 + i - window
+        lowest = anchors.repeat_interleave(num_masks, dim=1) + 2 + slot - window  # [B, Q]
+        ctx = ctx & (cols >= lowest[..., None])
+        own = own & (slot[:, None] - slot[None, :] <= window - 1)
     masks = torch.cat([ctx, own.expand(b, -1, -1)], dim=-1)  # [B, Q, T + Q]
     return torch.cat([real, masks], dim=1)[:, None]
 
@@ -90,11 +100,15 @@ def parallel_forward(
     keep: Tensor,
     num_drafts: int,
     pad_id: int = 0,
+    attention: str = "auto",
 ) -> Tensor:
     """One draft pass over the real slots and a mask block per anchor.
 
     Returns [B, T + A * (K - 1), H] final-normed states: rows ``0..T-1`` are the real slots
     (slot t drafts x_{t+2}), then block j's mask slots in order (module docstring).
+    ``attention`` (``model.attention``): ``blockwise``, and ``auto`` from ``ttt.LONG_ROW``
+    tokens on, computes the mask per query block (``parallel_mask.ParallelMask``: memory
+    linear in the row); otherwise SDPA with the whole [T + Q, T + Q] mask.
     """
     ids, pos, docs = batch["input_ids"], batch["position_ids"], batch["doc_ids"]
     b, a = anchors.shape
@@ -106,7 +120,14 @@ def parallel_forward(
     all_ids = torch.cat([shift_tokens(ids, docs, 1, pad_id), mask_ids], dim=1)  # [B, T + Q]
     hidden = torch.cat([real, masked.expand(b, a * m, -1)], dim=1)  # [B, T + Q, H]
     positions = torch.cat([pos, mask_pos.view(b, -1)], dim=1)
-    attend = sdpa_attend(parallel_mask(anchors, keep, docs, m))
+    window = head.sliding_window
+    if attention == "blockwise" or (attention == "auto" and ids.shape[1] >= LONG_ROW):
+        blocks = ParallelMask(anchors, keep, docs, m, window)
+
+        def attend(layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return prefix_attention(q, k, v, blocks)[0]
+    else:
+        attend = sdpa_attend(parallel_mask(anchors, keep, docs, m, window))
     return head(all_ids, hidden, positions, attend)[0]
 
 
@@ -169,7 +190,7 @@ def parallel_loss(
     b, t = batch["input_ids"].shape
     a, m = anchors.shape[1], num_drafts - 1
     dev = anchors.device
-    states = parallel_forward(head, batch, anchors, keep, num_drafts)  # [B, T + A*m, H]
+    states = parallel_forward(head, batch, anchors, keep, num_drafts, attention=opt.attention)
     width = states.shape[1]
     valid, pos = parallel_targets(anchors, keep, batch["loss_mask"], batch["doc_ids"], num_drafts)
     row = torch.arange(b, device=dev)[:, None]  # [B, 1]

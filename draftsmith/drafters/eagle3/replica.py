@@ -59,7 +59,7 @@ class Eagle3Replica:
         positions = torch.arange(n)[None]
         if not self.parallel or k == 1:  # P-EAGLE's first draft is the serial head's
             steps = ttt_unroll(self.head, tokens[None], aux, positions, torch.zeros_like(positions),
-                               k)  # fmt: skip
+                               k, window=self.head.sliding_window)  # fmt: skip
             for s in steps:
                 yield self.to_target(s[0])
             return

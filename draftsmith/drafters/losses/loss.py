@@ -31,7 +31,7 @@ picks the path): bf16 logits, online softmax in Triton, no fp32 [tokens, vocab] 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -50,6 +50,9 @@ from draftsmith.drafters.losses.fused_loss import (
     fused_enabled,
 )
 from draftsmith.drafters.losses.grads_in_forward import GradsInForward
+
+if TYPE_CHECKING:
+    from draftsmith.drafters.attention.sequence_parallel import SequenceShard
 
 LossKind = Literal["kl", "tv", "kl_tv"]
 
@@ -251,6 +254,7 @@ def ttt_loss(
     loss: LossKind = "kl",
     tv_weight: float = 0.5,
     fused: FusedMode = "auto",
+    shard: SequenceShard | None = None,
 ) -> TTTLoss:
     """Loss, accuracy and simulated acceptance of a TTT unroll (alignment as in ``ttt.py``).
 
@@ -271,10 +275,19 @@ def ttt_loss(
             ``kl_tv`` = ``(1 - tv_weight) * kl + tv_weight * tv``.
         fused: ``model.fused_loss`` (``draft_loss``): ``auto`` is the fused Triton path for
             CUDA states, this module's torch path otherwise.
+        shard: sequence parallelism (``sequence_parallel.py``): ``step_states`` are this
+            rank's rows [B, T / P, H], ``teacher_states`` / ``teacher_top1`` those rows and
+            ``shard.halo`` more, ``loss_mask`` / ``doc_ids`` the whole row's; every token
+            weighs 1 / the whole row's count, so the ranks' losses sum to the row's.
     """
     objective = objective_weights(loss, tv_weight)
     b, t, _ = step_states[0].shape
+    mine = slice(None) if shard is None else shard.rows
+    width = teacher_states.shape[1]  # T, or T / P + halo with a shard
     ar = torch.arange(b * t, device=loss_mask.device).view(b, t)  # flat row of (b, t)
+    teacher_row = torch.arange(b, device=loss_mask.device)[:, None] * width + torch.arange(
+        t, device=loss_mask.device
+    )  # [B, T]: the teacher row of (b, t)
     grad = torch.is_grad_enabled()
     need_grad = (
         grad and any(s.requires_grad for s in step_states),
@@ -282,18 +295,22 @@ def ttt_loss(
     )
     # Every step's teacher rows lie among those of step 0 shifted by one ... K: the rows p
     # whose next token x_{p+1} carries loss in p's document.
-    rows = ar[step_validity(loss_mask, doc_ids, -1)]
+    needed = step_validity(loss_mask, doc_ids, -1)
+    if shard is not None:
+        needed = shard.with_halo(needed)
+    rows = torch.arange(b * width, device=loss_mask.device).view(b, width)[needed]
     teacher, loss_fn = draft_loss(
-        fused, step_states[0], teacher_states.reshape(b * t, -1), teacher_weight, rows,
+        fused, step_states[0], teacher_states.reshape(b * width, -1), teacher_weight, rows,
         chunk_size, teacher_cache,
     )  # fmt: skip
     losses, accs, counts, corrects, valids = [], [], [], [], []
     total = teacher_states.new_zeros((), dtype=torch.float32)
     for k, states in enumerate(step_states):
-        valid = step_validity(loss_mask, doc_ids, k)  # [B, T]
+        whole = step_validity(loss_mask, doc_ids, k)  # [B, T] of the whole row
+        valid = whole[:, mine]  # [B, T] (this rank's rows with a shard)
         draft_index = ar[valid]  # [P]
-        teacher_index = draft_index + k + 1  # same row, position t + k + 1
-        count = max(draft_index.numel(), 1)
+        teacher_index = (teacher_row + k + 1)[valid]  # same row, position t + k + 1
+        count = max(int(whole.sum()) if shard is not None else draft_index.numel(), 1)
         w = torch.full((draft_index.numel(),), 1.0 / count, device=states.device)
         loss_k, draft_top1, teacher_top1_k = loss_fn.apply(
             states.reshape(b * t, -1), logits_weight, teacher,

@@ -59,6 +59,7 @@ class Trainee(Protocol):
     training: bool
     device: torch.device
     target_lm_head: Tensor  # [V, H] the target's lm_head, frozen
+    sequence_shard: Any  # a ``SequenceShard`` when rows are split across ranks, else None
 
     def teacher(self, batch: Batch) -> Tensor:
         """The target's final-normed states [B, T, H]; row p predicts token p + 1."""
@@ -146,6 +147,12 @@ class Drafter:
     def walk_length(self) -> int:
         """k of the validation walk: the drafts per step vLLM serves this head with."""
         raise NotImplementedError
+
+    def sequence_halo(self) -> int | None:
+        """Sequence parallelism (``data.sequence_parallel``): the teacher rows past its shard
+        a rank needs, when this kind's objective splits a row across ranks (it then reads
+        ``trainee.sequence_shard``); None: it does not (refused in one line)."""
+        return None
 
     @classmethod
     def extract_layer_ids(cls, num_hidden_layers: int) -> list[int] | None:
