@@ -9,6 +9,11 @@ hidden size H):
 - ``hidden_states`` ``[N, L, H]`` in the storage dtype (bf16, f16, f32 or fp8 e4m3)
 - ``hidden_scales`` float32 ``[N, L]``, fp8 only: ``value ≈ fp8 * scale`` per token and layer
 
+Besides the whole file's sha256, ``ShardInfo.sample_xxh3`` records each sample's xxh3-64 over
+its bytes as stored (``input_ids``, ``loss_mask``, ``hidden_states``, then ``hidden_scales``
+where present, each over the sample's token range): the loader checks every sample on the
+bytes it has just read, so no second pass over the file is needed (``dataset/sample_io.py``).
+
 The file is plain safetensors (any safetensors reader opens it). It is written by hand
 rather than through ``safetensors.torch.save`` so that samples stream to disk without a
 concatenated copy, the sha256 is computed from the bytes as they are written, and every
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+import xxhash
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import write_atomic
@@ -117,13 +123,14 @@ class ShardInfo:
     bytes: int
     sha256: str
     sample_ids: list[str] = field(default_factory=list)
+    sample_xxh3: list[str] = field(default_factory=list)  # per sample: ``sample_digest``
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardInfo:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 def _validate(samples: list[dict]) -> tuple[int, int]:
@@ -167,6 +174,15 @@ def _validate(samples: list[dict]) -> tuple[int, int]:
     return shape if shape is not None else (0, 0)
 
 
+def sample_digest(pieces: list[Any]) -> str:
+    """xxh3-64 (hex) of a sample's stored bytes: its ``input_ids``, ``loss_mask``,
+    ``hidden_states`` and (fp8) ``hidden_scales`` ranges, in that order."""
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """A tensor's bytes (host order, i.e. little-endian on every supported platform)."""
     flat = t.detach().cpu().contiguous().reshape(-1)
@@ -207,6 +223,10 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
         layout["hidden_scales"] = (torch.float32, [n, num_layers], scales)
 
     sample_ids = [s["id"] for s in samples]
+    pieces = [layout[name][2] for name in ("input_ids", "loss_mask", "hidden_states")]
+    if storage_dtype == "fp8_e4m3":
+        pieces.append(layout["hidden_scales"][2])
+    digests = [sample_digest([_raw(p[k]) for p in pieces]) for k in range(len(samples))]
     header: dict[str, Any] = {
         "__metadata__": {
             "format": FORMAT,
@@ -247,6 +267,7 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
         bytes=size,
         sha256=sha,
         sample_ids=sample_ids,
+        sample_xxh3=digests,
     )
 
 

@@ -50,7 +50,8 @@ from draftsmith.dataset.stream import (
     shard_ready,
     sidecar,
 )
-from draftsmith.train.packing import PackedDataset, collate
+from draftsmith.train.batches import Layout, empty_batch
+from draftsmith.train.packing import PackedDataset
 from draftsmith.train.shard_plan import Pass, ShardPlan, one_shard, shard_seed
 
 
@@ -65,13 +66,17 @@ class ShardBatches(IterableDataset):
         aux_layers: list[int],
         dtype: torch.dtype,
         check_shards: bool,
-        hidden_size: int,
+        layout: Layout,
         current_epoch: Callable[[], int],
         stream: StreamOptions | None = None,
         max_epochs: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, world
-        self.hidden_size, self.current_epoch = hidden_size, current_epoch
+        self.layout = layout  # of the stored batches (the padding batches need it)
+        # Older shards (sha256 only) are hashed whole once per run, not every epoch: made
+        # here, before any worker forks, so every worker and epoch sees the same flags.
+        self.verified = multiprocessing.Array("b", len(plan.shards), lock=False)
+        self.current_epoch = current_epoch
         self.max_epochs = max_epochs
         self.aux_layers, self.dtype, self.check_shards = aux_layers, dtype, check_shards
         self.stream = stream
@@ -167,9 +172,14 @@ class ShardBatches(IterableDataset):
     def _shard(
         self, index: int, info: dict[str, Any], own: list[int], check: bool
     ) -> Iterator[dict[str, Tensor]]:
-        """Batches ``own`` (ascending) of shard ``index``. ``check``: this reader hashes
-        the shard (it holds the pass's first batch of it)."""
-        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards and check)
+        """Batches ``own`` (ascending) of shard ``index``. ``check``: this reader holds the
+        pass's first batch of it, so it hashes an older shard (no per-sample checksums)
+        whole, once per run; a newer shard's samples are each checked as they are read."""
+        digests = bool(info.get("sample_xxh3"))
+        at = self._at[index]
+        whole = check and not digests and not self.verified[at]
+        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards and (digests or whole),
+                       self.plan.manifest)  # fmt: skip
         train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
         rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
         order = torch.randperm(
@@ -179,9 +189,13 @@ class ShardBatches(IterableDataset):
         packed = PackedDataset(ds, [rows[r] for r in order], self.plan.row_tokens, self.aux_layers)
         bs = self.plan.batch_size
         started = time.monotonic()
-        for b in own:
-            items = [packed[r] for r in range(b * bs, min((b + 1) * bs, len(rows)))]
-            batch = collate(items)
+        for k, b in enumerate(own):
+            if k + 1 < len(own):  # this reader's next batch of the shard: read ahead
+                nxt = own[k + 1]
+                ds.will_need([i for r in packed.rows[nxt * bs : (nxt + 1) * bs] for i in r])
+            batch = packed.__getitems__(list(range(b * bs, min((b + 1) * bs, len(rows)))))
+            if whole and self.check_shards:
+                self.verified[at] = 1  # hashed before its first sample was read
             tokens = int(batch["loss_mask"].numel() - (batch["doc_ids"] < 0).sum())
             self.shared.add(Pass.TOKENS, tokens)
             if b == own[-1]:  # read in full: its file can go before the last step trains
@@ -192,15 +206,7 @@ class ShardBatches(IterableDataset):
 
     def _empty(self) -> dict[str, Tensor]:
         """A batch of padding only: no loss, no gradient; keeps ranks in step."""
-        h, t, b = self.hidden_size, self.plan.row_tokens, self.plan.batch_size
-        return {
-            "input_ids": torch.zeros(b, t, dtype=torch.long),
-            "aux_states": torch.zeros(b, t, len(self.aux_layers) * h, dtype=self.dtype),
-            "teacher_states": torch.zeros(b, t, h, dtype=self.dtype),
-            "position_ids": torch.arange(t).repeat(b, 1),
-            "doc_ids": torch.full((b, t), -1, dtype=torch.long),
-            "loss_mask": torch.zeros(b, t, dtype=torch.bool),
-        }
+        return empty_batch(self.layout, self.plan.batch_size)
 
     def _rank_padding(self, mine: int) -> int:
         """Empty batches this rank adds so that it takes as many steps as the busiest rank."""
@@ -366,6 +372,7 @@ class ShardLoader(DataLoader):
         batches_done: Callable[[], int],
         num_workers: int = 0,
         pin_memory: bool = False,
+        prefetch_factor: int = 2,
         worker_init_fn: Callable[[int], None] | None = None,
         on_stop: Callable[[], None] | None = None,
     ) -> None:
@@ -376,6 +383,7 @@ class ShardLoader(DataLoader):
             batch_size=None,
             num_workers=num_workers,
             pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor if num_workers else None,
             worker_init_fn=worker_init_fn if num_workers else None,
         )
         self.batches_done, self.on_stop = batches_done, on_stop
