@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from draftsmith.core.console import say
 from draftsmith.dataset import DatasetError
+from draftsmith.dataset.sample_io import PHASES
 from draftsmith.dataset.stream import (
     StreamDir,
     StreamOptions,
@@ -178,10 +179,11 @@ class ShardBatches(IterableDataset):
         digests = bool(info.get("sample_xxh3"))
         at = self._at[index]
         whole = check and not digests and not self.verified[at]
-        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards and (digests or whole),
-                       self.plan.manifest)  # fmt: skip
-        train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
-        rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
+        with PHASES("open"):
+            check = self.check_shards and (digests or whole)
+            ds = one_shard(self.plan.root, info, self.dtype, check, self.plan.manifest)
+            train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
+            rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
         order = torch.randperm(
             len(rows), generator=torch.Generator().manual_seed(shard_seed(self.plan.seed, index,
                                                                           self.epoch + 1))
