@@ -245,8 +245,10 @@ def batches(loader) -> list[dict]:
 
 
 def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+    """Same batches (the pool slot a worker filled, where it used one, aside)."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
+        x, y = ({k: v for k, v in d.items() if k != "pool_slot"} for d in (x, y))
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
@@ -536,3 +538,41 @@ def test_an_older_shard_is_hashed_whole_once_per_run(tmp_path, monkeypatch):
             for batch in shard_loader(tmp_path / "ds", workers):
                 seen.append(batch)
         assert_same_batches(seen, reference[:before])
+
+
+def test_workers_refill_only_the_batch_buffers_the_trainer_released(dataset):
+    """A worker reuses a batch's shared memory once the training process releases it, so
+    later batches are the same as fresh ones; one never released is never written again."""
+    from torch.utils.data import DataLoader
+
+    from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, release
+
+    path, _ = dataset
+    ds = open_dataset(path)
+    rows = pack(ds.lengths, 6, 0)
+    reference = [PackedDataset(ds, rows, 6)[r] for r in range(len(rows))]
+    assert len(rows) >= 8
+
+    def run(release_each: bool) -> tuple[list[dict], list[int]]:
+        packed = PackedDataset(ds, rows, 6, pool=BatchPool(workers=1, slots=3))
+        loader = DataLoader(packed, batch_size=1, num_workers=1, collate_fn=collate,
+                            prefetch_factor=1)  # fmt: skip
+        got, slots = [], []
+        for batch in loader:
+            slots.append(int(batch[SLOT_KEY][1]) if SLOT_KEY in batch else -1)
+            got.append({k: v[0].clone() for k, v in batch.items() if k != SLOT_KEY})
+            if release_each:
+                release(batch)
+            else:
+                got[-1]["kept"] = batch  # held, as a consumer unaware of the pool would
+        return got, slots
+
+    got, slots = run(release_each=True)
+    assert len(set(slots)) < len(slots) and -1 not in slots  # slots were reused
+    kept, kept_slots = run(release_each=False)
+    assert kept_slots[:3] == [0, 1, 2] and set(kept_slots[3:]) == {-1}  # then fresh memory
+    for a, b, ref in zip(got, kept, reference, strict=True):
+        assert all(torch.equal(a[k], ref[k]) and torch.equal(b[k], ref[k]) for k in ref)
+    for b, ref in zip(kept[:3], reference[:3], strict=True):  # held: their contents kept
+        held = b["kept"]
+        assert all(torch.equal(held[k][0], ref[k]) for k in ref)

@@ -187,6 +187,7 @@ def module_kwargs(cfg: BenchLoaderConfig, workers: int) -> dict:
 
 def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
     """Open the dataset and read every packed row once through the training loader."""
+    from draftsmith.train.batch_pool import release
     from draftsmith.train.data import StatesDataModule
     from draftsmith.train.packing import PAD_DOC_ID
 
@@ -202,6 +203,7 @@ def one_pass(data: Path, cfg: BenchLoaderConfig, workers: int) -> dict:
         tokens += int((batch["doc_ids"] != PAD_DOC_ID).sum())
         row_tokens += batch["input_ids"].numel()
         batches += 1
+        release(batch)  # as training does once the batch is on the GPU
     seconds = time.perf_counter() - start
     pinned = bool(loader.pin_memory)  # what the training loader chose (CUDA present)
     del loader  # stops persistent workers

@@ -37,6 +37,7 @@ from draftsmith.dataset.shards import (
     FORMAT,
     TORCH_STORAGE_DTYPES,
     TensorSpec,
+    check_tensors,
     decode_hidden,
     read_header,
 )
@@ -129,7 +130,7 @@ class HiddenStatesDataset(Dataset):
                 f"{metadata.get('storage_dtype')!r}, expected {FORMAT!r} storing "
                 f"{self.storage_dtype!r} as the manifest says"
             )
-        self._check_tensors(path, tensors)
+        check_tensors(path, tensors, self.storage_dtype, self.num_layers, self.hidden_size)
         sample_ids = parse_json(metadata.get("sample_ids", ""), path, "shard", rerun)
         if sample_ids != info["sample_ids"]:
             raise DatasetError(f"{path}: its sample ids differ from the manifest's ({rerun})")
@@ -153,33 +154,6 @@ class HiddenStatesDataset(Dataset):
                 f"{len(sample_ids)} samples ({rerun})"
             )
         return _Shard(path, tensors, offsets, sample_ids, info.get("sha256"), digests)
-
-    def _check_tensors(self, path: Path, tensors: dict[str, TensorSpec]) -> None:
-        required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
-        if self.storage_dtype == "fp8_e4m3":
-            required.append("hidden_scales")
-        missing = [name for name in required if name not in tensors]
-        if missing:
-            raise DatasetError(f"{path}: missing tensors {missing}")
-        n = tensors["input_ids"].shape[0]
-        hidden_rows = (n, self.num_layers) if n else tensors["hidden_states"].shape[:2]
-        expected = {  # an empty shard is written without L and H: take them as they are
-            "sample_offsets": (torch.int64, tensors["sample_offsets"].shape[:1]),
-            "input_ids": (torch.int32, (n,)),
-            "loss_mask": (torch.uint8, (n,)),
-            "hidden_states": (
-                TORCH_STORAGE_DTYPES[self.storage_dtype],
-                (*hidden_rows, self.hidden_size if n else tensors["hidden_states"].shape[-1]),
-            ),
-            "hidden_scales": (torch.float32, hidden_rows),
-        }
-        for name in required:
-            (dtype, shape), got = expected[name], tensors[name]
-            if got.dtype != dtype or got.shape != shape:
-                raise DatasetError(
-                    f"{path}: tensor {name} is {got.dtype} {list(got.shape)}, "
-                    f"expected {dtype} {list(shape)}"
-                )
 
     def __len__(self) -> int:
         return self._starts[-1]

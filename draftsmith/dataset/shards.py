@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -274,8 +273,8 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
 # ----- reading ---------------------------------------------------------------------
 # The format: 8 bytes of little-endian header length, a JSON header mapping each tensor name
 # to ``dtype``, ``shape`` and ``data_offsets`` (plus ``__metadata__``), then the raw bytes.
-# Reading the header alone tells where every tensor starts, so a sample's rows can be copied
-# out of a memory map without touching the rest of the file.
+# Reading the header alone tells where every tensor starts, so a sample's rows can be read
+# without touching the rest of the file (``reader.py``, ``sample_io.py``).
 MAX_HEADER_BYTES = 1 << 28
 
 
@@ -325,18 +324,33 @@ def read_header(path: Path) -> tuple[dict[str, TensorSpec], dict[str, str]]:
     return tensors, metadata
 
 
-def read_rows(mapped: mmap.mmap, spec: TensorSpec, first: int, rows: int) -> torch.Tensor:
-    """Rows ``first:first + rows`` (along dim 0) of a tensor in a mapped file, copied out.
-
-    Only those rows' pages are touched. The copy goes into a private ``bytearray``: the
-    result is an ordinary writable tensor and no view into the (read-only) map survives.
-    """
-    row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
-    shape = (rows, *spec.shape[1:])
-    if rows * row_bytes == 0:
-        return torch.empty(shape, dtype=spec.dtype)
-    start = spec.start + first * row_bytes
-    buf = bytearray(rows * row_bytes)
-    with memoryview(mapped) as view:
-        buf[:] = view[start : start + len(buf)]
-    return torch.frombuffer(buf, dtype=spec.dtype).view(shape)
+def check_tensors(
+    path: Path, tensors: dict[str, TensorSpec], storage_dtype: str, num_layers: int, hidden: int
+) -> None:
+    """Refuse a shard whose tensors are missing or of other dtypes or shapes than its
+    dataset's (``storage_dtype``, ``num_layers`` x ``hidden``)."""
+    required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
+    if storage_dtype == "fp8_e4m3":
+        required.append("hidden_scales")
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise DatasetError(f"{path}: missing tensors {missing}")
+    n = tensors["input_ids"].shape[0]
+    hidden_rows = (n, num_layers) if n else tensors["hidden_states"].shape[:2]
+    expected = {  # an empty shard is written without L and H: take them as they are
+        "sample_offsets": (torch.int64, tensors["sample_offsets"].shape[:1]),
+        "input_ids": (torch.int32, (n,)),
+        "loss_mask": (torch.uint8, (n,)),
+        "hidden_states": (
+            TORCH_STORAGE_DTYPES[storage_dtype],
+            (*hidden_rows, hidden if n else tensors["hidden_states"].shape[-1]),
+        ),
+        "hidden_scales": (torch.float32, hidden_rows),
+    }
+    for name in required:
+        (dtype, shape), got = expected[name], tensors[name]
+        if got.dtype != dtype or got.shape != shape:
+            raise DatasetError(
+                f"{path}: tensor {name} is {got.dtype} {list(got.shape)}, "
+                f"expected {dtype} {list(shape)}"
+            )

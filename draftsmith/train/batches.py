@@ -29,6 +29,7 @@ from draftsmith.dataset import HiddenStatesDataset
 from draftsmith.dataset.sample_io import PHASES
 from draftsmith.dataset.shards import TORCH_STORAGE_DTYPES
 from draftsmith.drafters.protocol.batch import PAD_DOC_ID
+from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, shared
 
 
 @dataclass(frozen=True)
@@ -63,31 +64,24 @@ def layout(ds: HiddenStatesDataset, row_tokens: int, aux_ids: list[int], teacher
     )
 
 
-def _tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> Tensor:
-    """Uninitialised; in a DataLoader worker, in shared memory, so handing it to the training
-    process copies nothing (as ``default_collate`` does when it stacks)."""
-    if not shared:
-        return torch.empty(shape, dtype=dtype)
-    numel = 1
-    for d in shape:
-        numel *= d
-    elem = torch.empty(0, dtype=dtype)
-    return elem.new(elem._typed_storage()._new_shared(numel, device="cpu")).view(shape)
-
-
-def new_batch(lay: Layout, rows: int) -> dict[str, Tensor]:
-    """Buffers of a stored batch of ``rows`` rows; ``fill_row`` writes each row."""
-    shared = get_worker_info() is not None
+def new_batch(lay: Layout, rows: int, pool: BatchPool | None = None) -> dict[str, Tensor]:
+    """Buffers of a stored batch of ``rows`` rows (``fill_row`` writes each row): a free
+    slot of ``pool`` in a worker, else fresh (shared memory in a worker)."""
     t, n = lay.row_tokens, len(lay.layers)
-    batch = {
-        "input_ids": _tensor((rows, t), torch.long, shared),
-        "states": _tensor((rows, t, n, lay.hidden), lay.storage, shared),
-        "position_ids": _tensor((rows, t), torch.long, shared),
-        "doc_ids": _tensor((rows, t), torch.long, shared),
-        "loss_mask": _tensor((rows, t), torch.bool, shared),
+    shapes = {
+        "input_ids": ((rows, t), torch.long),
+        "states": ((rows, t, n, lay.hidden), lay.storage),
+        "position_ids": ((rows, t), torch.long),
+        "doc_ids": ((rows, t), torch.long),
+        "loss_mask": ((rows, t), torch.bool),
     }
     if lay.fp8:
-        batch["scales"] = _tensor((rows, t, n), torch.float32, shared)
+        shapes["scales"] = ((rows, t, n), torch.float32)
+    batch = pool.take(shapes) if pool is not None else None
+    if batch is None:
+        in_worker = get_worker_info() is not None
+        batch = {k: shared(*v) if in_worker else torch.empty(*v[:1], dtype=v[1])
+                 for k, v in shapes.items()}  # fmt: skip
     return batch
 
 
@@ -134,7 +128,7 @@ def model_batch(batch: dict[str, Tensor], lay: Layout, dtype: torch.dtype) -> di
     as ``shards.decode_hidden`` does). A batch already in that form passes through."""
     if "states" not in batch:
         return batch
-    out = {k: v for k, v in batch.items() if k not in ("states", "scales")}
+    out = {k: v for k, v in batch.items() if k not in ("states", "scales", SLOT_KEY)}
     states, scales = batch["states"], batch.get("scales")
 
     def decode(x: Tensor, s: Tensor | None) -> Tensor:

@@ -20,13 +20,12 @@ from torch.utils.data import DataLoader
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
-from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
 from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
-from draftsmith.dataset.shards import SHARD_FIX
 from draftsmith.dataset.stream import StreamDir, StreamOptions
+from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, detach_from, release
 from draftsmith.train.batches import SideStreamCopy, layout, model_batch
-from draftsmith.train.packing import (
+from draftsmith.train.packing import (  # token_counts: imported from here too
     PackedDataset,
     ResumableLoader,
     RowSampler,
@@ -36,44 +35,15 @@ from draftsmith.train.packing import (
     resolve_aux_layers,
     split_samples,
     teacher_layer_id,
+    token_counts,
     worker_init,
 )
-from draftsmith.train.shard_order import ShardBatches, ShardLoader
+from draftsmith.train.shard_loader import ShardLoader
+from draftsmith.train.shard_order import ShardBatches
 from draftsmith.train.shard_plan import ShardPlan
 from draftsmith.train.shard_window import open_window
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def token_counts(
-    ds: HiddenStatesDataset, vocab_size: int, samples: list[int] | None = None
-) -> Tensor:
-    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``,
-    over the dataset's samples at positions ``samples`` (all of them when None).
-
-    Reads only ``input_ids``, ``loss_mask`` and ``sample_offsets`` of each shard, never the
-    hidden states.
-    """
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    wanted = None if samples is None else set(samples)
-    first = 0  # dataset position of the shard's first sample
-    for path in ds.shard_paths:
-        with open_safetensors(path, "shard", SHARD_FIX) as f:
-            keep = f.get_tensor("loss_mask").bool()
-            offsets = f.get_tensor("sample_offsets").tolist()
-            if wanted is not None:
-                for s, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False)):
-                    if first + s not in wanted:
-                        keep[a:b] = False
-            first += len(offsets) - 1
-            ids = f.get_tensor("input_ids").long()[keep]
-        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise DatasetError(
-                f"{path}: token ids span [{ids.min()}, {ids.max()}], "
-                f"outside a vocabulary of {vocab_size}"
-            )
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
 
 
 class StatesDataModule(pl.LightningDataModule):
@@ -265,8 +235,10 @@ class StatesDataModule(pl.LightningDataModule):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
         sampler = RowSampler(len(rows), seed, rank, world)
+        slots = self.prefetch_factor + 3  # prefetched, pinning, training, fetched ahead
+        pool = BatchPool(self.num_workers, slots) if self.num_workers else None
         return ResumableLoader(
-            PackedDataset(dataset, rows, self.row_tokens, self.aux_layer_ids),
+            PackedDataset(dataset, rows, self.row_tokens, self.aux_layer_ids, pool),
             batches_done=self._batches_done,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -367,8 +339,12 @@ class StatesDataModule(pl.LightningDataModule):
         return self._loader(self.val_dataset, self.val_indices, None)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int):
-        """A side CUDA stream on a GPU (``batches.SideStreamCopy``); ``.to`` elsewhere."""
-        return self.copy(batch, device)
+        """A side CUDA stream on a GPU (``batches.SideStreamCopy``); ``.to`` elsewhere. Once
+        copied to a GPU, the worker may refill the batch's buffers (``batch_pool.py``)."""
+        out = self.copy(batch, device)
+        if device.type == "cuda":
+            release(batch)
+        return out
 
     def model_batch(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """The drafters' batch from a loader's (stored) batch, on its device."""
@@ -377,7 +353,11 @@ class StatesDataModule(pl.LightningDataModule):
     def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
         """On the device: decode the stored states into the drafters' batch, then add
         ``noise_std`` Gaussian noise to training batches only."""
-        batch = self.model_batch(batch)
+        out = self.model_batch(batch)
+        if SLOT_KEY in batch and batch["states"].device.type == "cpu":
+            out = detach_from(out, batch)  # its buffers go back to their worker
+            release(batch)
+        batch = out
         if self.noise_std > 0 and self.trainer is not None and self.trainer.training:
             return add_noise(batch, self.noise_std)
         return batch

@@ -16,10 +16,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.memory import keep_freed_memory
+from draftsmith.core.readers import open_safetensors
 from draftsmith.core.signals import ignore_first_sigterm
 from draftsmith.dataset import DatasetError, HiddenStatesDataset
 from draftsmith.dataset.sample_io import PHASES
+from draftsmith.dataset.shards import SHARD_FIX
 from draftsmith.drafters.protocol.batch import PAD_DOC_ID
+from draftsmith.train.batch_pool import BatchPool
 from draftsmith.train.batches import fill_row, layout, new_batch
 
 
@@ -107,6 +110,37 @@ def resolve_aux_layers(layer_ids: list[int], aux_layers: list[int] | None) -> li
     return sorted(aux_layers)
 
 
+def token_counts(
+    ds: HiddenStatesDataset, vocab_size: int, samples: list[int] | None = None
+) -> Tensor:
+    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``,
+    over the dataset's samples at positions ``samples`` (all of them when None).
+
+    Reads only ``input_ids``, ``loss_mask`` and ``sample_offsets`` of each shard, never the
+    hidden states.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    wanted = None if samples is None else set(samples)
+    first = 0  # dataset position of the shard's first sample
+    for path in ds.shard_paths:
+        with open_safetensors(path, "shard", SHARD_FIX) as f:
+            keep = f.get_tensor("loss_mask").bool()
+            offsets = f.get_tensor("sample_offsets").tolist()
+            if wanted is not None:
+                for s, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False)):
+                    if first + s not in wanted:
+                        keep[a:b] = False
+            first += len(offsets) - 1
+            ids = f.get_tensor("input_ids").long()[keep]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise DatasetError(
+                f"{path}: token ids span [{ids.min()}, {ids.max()}], "
+                f"outside a vocabulary of {vocab_size}"
+            )
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
 class PackedDataset(Dataset):
     """Rows of packed samples, in stored form (``batches.py``): item ``r`` is one row
     ``[T, ...]``; ``__getitems__`` (what a DataLoader asks for) builds a whole batch
@@ -117,6 +151,7 @@ class PackedDataset(Dataset):
         rows: sample indices of each row (from ``pack``).
         row_tokens: T, the row length; a sample longer than T is cut to its first T tokens.
         aux_layers: layer ids that feed the head (default: all tapped layers but the last).
+        pool: batch buffers the loader's workers reuse (``batch_pool.py``); None: fresh ones.
     """
 
     def __init__(
@@ -125,8 +160,9 @@ class PackedDataset(Dataset):
         rows: list[list[int]],
         row_tokens: int,
         aux_layers: list[int] | None = None,
+        pool: BatchPool | None = None,
     ) -> None:
-        self.ds, self.rows, self.row_tokens = ds, rows, row_tokens
+        self.ds, self.rows, self.row_tokens, self.pool = ds, rows, row_tokens, pool
         self.teacher_layer_id = teacher_layer_id(ds.manifest, ds.path)
         self.aux_layer_ids = resolve_aux_layers(ds.layer_ids, aux_layers)
         self.layout = layout(ds, row_tokens, self.aux_layer_ids, self.teacher_layer_id)
@@ -141,7 +177,7 @@ class PackedDataset(Dataset):
         """Rows ``rows`` as one stored batch: each sample read straight into it."""
         self.ds.will_need([i for r in rows for i in self.rows[r]])
         with PHASES("collate"):
-            batch = new_batch(self.layout, len(rows))
+            batch = new_batch(self.layout, len(rows), self.pool)
         for b, r in enumerate(rows):
             fill_row(self.ds, self.layout, batch, b, self.rows[r])
         return batch

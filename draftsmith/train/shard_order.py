@@ -17,9 +17,11 @@ With W loader workers (``data.num_workers``) the batches of a pass are dealt rou
 batch j (counted from where the pass starts) is read by worker ``j % W``, and torch's
 DataLoader takes one batch from each worker in turn, so the order, and the head, are those
 of one worker or none. Every worker walks the same schedule (from the sidecars); a shard is
-read only by the workers holding some of its batches, and its checksum is computed by the
-one holding its first batch of the pass (a bad shard fails that batch, which the trainer
-gets before any later batch of the shard).
+read only by the workers holding some of its batches. Each sample is checked (xxh3-64) by
+the worker that reads it; an older shard without per-sample checksums is hashed whole, once
+per run, by the worker holding its first batch (a bad one fails that batch, which the
+trainer gets before any later batch of the shard). ``ShardLoader`` (``shard_loader.py``)
+is the DataLoader over it.
 
 Streaming adds the producer (``draftsmith.dataset.stream``): before reading a shard the
 loader asks for it and for the next ones, up to this rank's share of the disk bound, waits
@@ -40,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from draftsmith.core.console import say
 from draftsmith.dataset import DatasetError
@@ -51,6 +53,7 @@ from draftsmith.dataset.stream import (
     shard_ready,
     sidecar,
 )
+from draftsmith.train.batch_pool import BatchPool
 from draftsmith.train.batches import Layout, empty_batch
 from draftsmith.train.packing import PackedDataset
 from draftsmith.train.shard_plan import Pass, ShardPlan, one_shard, shard_seed
@@ -74,6 +77,8 @@ class ShardBatches(IterableDataset):
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, world
         self.layout = layout  # of the stored batches (the padding batches need it)
+        self.pool: BatchPool | None = None  # each pass's (``prepare``)
+        self.pool_slots = 0  # batches each worker reuses (``ShardLoader`` sets it)
         # Older shards (sha256 only) are hashed whole once per run, not every epoch: made
         # here, before any worker forks, so every worker and epoch sees the same flags.
         self.verified = multiprocessing.Array("b", len(plan.shards), lock=False)
@@ -117,6 +122,7 @@ class ShardBatches(IterableDataset):
         only, and the shared counts start at zero."""
         self.start, self.skip = self.skip, 0
         self.shared = Pass(len(self.plan.shards), workers)
+        self.pool = BatchPool(workers, self.pool_slots)
         self._prepared = True
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
@@ -188,7 +194,8 @@ class ShardBatches(IterableDataset):
             len(rows), generator=torch.Generator().manual_seed(shard_seed(self.plan.seed, index,
                                                                           self.epoch + 1))
         ).tolist()  # fmt: skip
-        packed = PackedDataset(ds, [rows[r] for r in order], self.plan.row_tokens, self.aux_layers)
+        rows = [rows[r] for r in order]
+        packed = PackedDataset(ds, rows, self.plan.row_tokens, self.aux_layers, self.pool)
         bs = self.plan.batch_size
         started = time.monotonic()
         for k, b in enumerate(own):
@@ -357,51 +364,3 @@ class ShardBatches(IterableDataset):
             f"{s.stats[Pass.WAITED_S] / s.workers:.0f} s waiting for shards; producers: {made:,} "
             f"tokens written in {busy:.0f} s, {idle:.0f} s waiting for the trainer"
         )
-
-
-class ShardLoader(DataLoader):
-    """The DataLoader over ``ShardBatches``; its position goes into checkpoints.
-
-    With ``num_workers`` W >= 1 the batches are read, packed and collated in W worker
-    processes while the steps before train (on a GPU, reading in the training process would
-    stall it); worker ``j % W`` reads batch j and the DataLoader takes them in turn, so any
-    W gives the same batches in the same order (module docstring). ``on_stop`` is called
-    in the training process after an epoch that the policy ends training with (drop)."""
-
-    def __init__(
-        self,
-        batches: ShardBatches,
-        batches_done: Callable[[], int],
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int = 2,
-        worker_init_fn: Callable[[int], None] | None = None,
-        on_stop: Callable[[], None] | None = None,
-    ) -> None:
-        if multiprocessing.get_start_method() != "fork":  # the batches hold the trainer's hooks
-            num_workers = 0
-        super().__init__(
-            batches,
-            batch_size=None,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor if num_workers else None,
-            worker_init_fn=worker_init_fn if num_workers else None,
-        )
-        self.batches_done, self.on_stop = batches_done, on_stop
-
-    def __iter__(self) -> Iterator[Any]:
-        b: ShardBatches = self.dataset  # type: ignore[assignment]
-        b.prepare(max(self.num_workers, 1))  # here, before the workers fork
-        yield from super().__iter__()
-        if b.stream is not None and b.stream.policy == "drop" and self.on_stop is not None:
-            self.on_stop()
-
-    def state_dict(self) -> dict[str, Any]:
-        b: ShardBatches = self.dataset  # type: ignore[assignment]
-        done = self.batches_done()
-        return {"epoch": b.current_epoch(), "batches_done": done, **b.position(done)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        b: ShardBatches = self.dataset  # type: ignore[assignment]
-        b.skip = state["batches_done"]  # the epoch comes back with Lightning's own loop
