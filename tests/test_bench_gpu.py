@@ -210,7 +210,8 @@ def test_auto_that_resolves_as_all_is_not_run_twice(monkeypatch, tiny_model_dir)
     """On a device where auto picks every lever, its row says so instead of running again."""
     every = {"fused_loss": True, "attention": "flex", "compile": True}
     monkeypatch.setattr(bench_gpu, "resolve_levers", lambda bcfg, device: every)
-    cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], attention="efficient")
+    cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], attention="efficient",
+                                   levers=["all", "auto"])  # fmt: skip
     row = bench_gpu.auto_shortcut(cfg, str(tiny_model_dir), 7, rows=[])
     assert row == {"status": "skipped: auto resolves to the levers of 'all' here"}
     cfg.levers = ["old", "auto"]  # no 'all' row to stand for it: auto runs

@@ -8,11 +8,11 @@ ops), under the speed levers' auto settings and the levers they resolved to. The
 table: at the first target's shape, frozen lm_head, per TTT, the path before the levers
 (``old``: torch loss, efficient attention, eager), each lever alone (``fused``, ``flex``,
 ``compile``), all of them, and ``auto`` where it differs, with the speed ratio to ``old``.
-Then speculators' EAGLE-3 model at the same shapes and TTT (``bench_speculators.py``;
-a row says so when speculators is missing), the training loader in shard order at the
-first target's shape with each worker count, against the rate of the frozen head at the
-smallest TTT (3: the fastest step, the hardest to feed), and that step again with the
-loader in front of it (``gpu_loader.py``: end-to-end tok/s beside the step-only figure).
+Then the training loader in shard order at the first target's shape with each worker
+count, against the rate of the frozen head at the smallest TTT (3: the fastest step, the
+hardest to feed), that step again with the loader in front of it (``gpu_loader.py``:
+end-to-end tok/s beside the step-only figure), and last speculators' EAGLE-3 model at the
+same shapes and TTT (``bench_speculators.py``; a row says so when speculators is missing).
 Writes ``bench-gpu.json`` and ``bench-gpu.md`` to ``output`` ($OUT on the device machine),
 again after every row, so a run cut short by its time limit still returns the rows it made.
 
@@ -287,14 +287,6 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
             lever_ratios(levers)
             if save:
                 save(result)
-    if cfg.speculators:
-        missing = speculators_missing()
-        for target in cfg.targets:
-            for ttt in cfg.ttt_steps:
-                key = {"trainer": "speculators", "target": target, "ttt": ttt, "lm_head": "frozen"}
-                label = f"speculators {Path(target).name} TTT {ttt}"
-                run_row = partial(speculators_row, cfg, target, ttt, peak)
-                add(key, {"status": f"skipped: {missing}"} if missing else guarded(run_row, label))
     if cfg.loader:
         loader = guarded(lambda: loader_rows(cfg), "loader, shard order")
         shape = cfg.loader_target or cfg.targets[0]
@@ -313,6 +305,14 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
             result["end_to_end"] = e2e
             if save:
                 save(result)
+    if cfg.speculators:
+        missing = speculators_missing()
+        for target in cfg.targets:
+            for ttt in cfg.ttt_steps:
+                key = {"trainer": "speculators", "target": target, "ttt": ttt, "lm_head": "frozen"}
+                label = f"speculators {Path(target).name} TTT {ttt}"
+                run_row = partial(speculators_row, cfg, target, ttt, peak)
+                add(key, {"status": f"skipped: {missing}"} if missing else guarded(run_row, label))
     return result
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from draftsmith import drafters
 from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
-from draftsmith.drafters.headfiles.directory import HeadError
 from draftsmith.drafters.headfiles import read as headread
+from draftsmith.drafters.headfiles.directory import HeadError
 
 MAX_K = 16
 REEXPORT = "re-export the head with `draftsmith export`"
