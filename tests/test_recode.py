@@ -47,3 +47,22 @@ def test_storing_only_the_last_layer_trains_eagle1_on_the_same_batches(tmp_path)
         assert len(a) == len(b) > 3
         for x, y in zip(a, b, strict=True):
             assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_byte_planes_give_back_every_bf16_bit(tmp_path):
+    """The byte-plane split that bench.planes compresses is lossless: every bit pattern of
+    bf16 (NaNs, infinities, signed zeros, subnormals) comes back, so a head trained on the
+    decompressed states would see exactly the bf16 values; and the planes are the high and
+    low bytes (the high one, sign and exponent, is the one with few distinct values)."""
+    from draftsmith.bench.planes import from_planes, planes
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    hi, lo = planes(every.reshape(256, 256))
+    assert len(hi) == len(lo) == 2**16
+    back = from_planes(hi, lo, (256, 256))
+    assert torch.equal(back.reshape(-1).view(torch.int16), every.view(torch.int16))
+    states = torch.randn(64, 4, 32).to(torch.bfloat16)
+    hi, lo = planes(states)
+    assert len(set(hi)) < len(set(lo))  # exponents cluster; mantissa bytes do not
+    sign_exp = (states.view(torch.int16).reshape(-1) >> 8) & 0xFF
+    assert list(hi) == sign_exp.tolist()
