@@ -7,9 +7,12 @@
 # at step 25 and resumed from its checkpoint; `draftsmith export` of each (the CUDA run's
 # twice: with CUDA present and hidden). `device_train compare` checks the curves, the resume
 # and the heads (its tolerances are in its docstring) and writes compare.json.
-# Without CUDA (this CPU machine) it runs the CPU side and says what it would compare.
+# Without CUDA (this CPU machine) it runs the CPU side and says what it would compare; with
+# DRY=1 it runs the device half too, on the CPU (the same commands, accelerator cpu), so
+# every step and the comparison are exercised before a GPU is spent on them.
 #
 #   bash tools/device_train.sh                   # figures and logs to $OUT (else outputs/device-train)
+#   DRY=1 OUT=/tmp/dt bash tools/device_train.sh # the whole script on the CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -44,10 +47,13 @@ t0=$SECONDS
 CUDA_VISIBLE_DEVICES= fit cpu cpu "$STEPS"
 CUDA_VISIBLE_DEVICES= ds export --checkpoint "$W/cpu/ck/last.ckpt" --output "$W/head-cpu"
 echo "device_train: CPU run and export done ($((SECONDS - t0)) s)" | tee -a "$LOG"
-if "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
-    fit cuda gpu "$STEPS"
-    fit cuda-resumed gpu "$CUT"
-    fit cuda-resumed gpu "$STEPS" --ckpt_path "$W/cuda-resumed/ck/last.ckpt"
+ACC=
+"$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" && ACC=gpu
+[ -z "$ACC" ] && [ "${DRY:-0}" = 1 ] && ACC=cpu  # the device half on the CPU: checks the script
+if [ -n "$ACC" ]; then
+    fit cuda "$ACC" "$STEPS"
+    fit cuda-resumed "$ACC" "$CUT"
+    fit cuda-resumed "$ACC" "$STEPS" --ckpt_path "$W/cuda-resumed/ck/last.ckpt"
     ds export --checkpoint "$W/cuda/ck/last.ckpt" --output "$W/head-cuda"
     CUDA_VISIBLE_DEVICES= ds export --checkpoint "$W/cuda/ck/last.ckpt" --output "$W/head-cuda-on-cpu"
     echo "device_train: CUDA runs and exports done ($((SECONDS - t0)) s)" | tee -a "$LOG"
@@ -68,5 +74,5 @@ for run in cpu cuda cuda-resumed; do  # the curves, one file each (the device re
 done
 echo "device_train: $((SECONDS - t0)) s, compare exit $rc" | tee -a "$LOG"
 # Without CUDA there is nothing to check against: the dry run passes when the CPU side ran.
-"$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || exit 0
+[ -n "$ACC" ] || exit 0
 exit "$rc"
