@@ -56,6 +56,9 @@ def test_bench_loader_reads_every_written_token(tmp_path, capsys):
     ]
     for p in passes:
         assert p["tokens"] == 300  # every written token came out of the loader, once
+        assert p["first_epoch_tokens"] == 300  # and once more in the untimed first epoch
+        assert p["first_epoch_s"] >= p["first_batch_s"] > 0
+        assert p["first_epoch_x_raw"] > 0
         assert p["row_tokens"] % 64 == 0 and p["row_tokens"] >= 300
         assert p["tokens_per_s"] > 0 and p["seconds"] > 0
         if p["cache"] == "warm" and p["resident_before"] is not None:
