@@ -70,7 +70,8 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
     args = [f"--targets={json.dumps(targets)}", "--ttt_steps=[1, 2]", *TINY_ROW,
             "--peak_tflops=2.0", "--loader_tokens=200", "--loader_sample_tokens=16",
             "--loader_workers=[0, 2]", f"--work_dir={tmp_path / 'work'}",
-            "--levers_ttt_steps=[1, 2]", f"--output={out}"]  # fmt: skip
+            "--levers=[old, fused, flex, compile, all, auto]", "--levers_ttt_steps=[1, 2]",
+            f"--output={out}"]  # fmt: skip
     assert bench_gpu.main(args) == 0
 
     result = json.loads((out / "bench-gpu.json").read_text())
@@ -142,6 +143,15 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
     assert loader["gpu_ttt"] == 1 and loader["gpu_tokens_per_s"] == base["tokens_per_s"]
     for p in loader["passes"]:
         assert p["x_gpu"] == pytest.approx(p["tokens_per_s"] / base["tokens_per_s"])
+        assert p["x_raw"] > 0
+    # the same step with the loader in front, per worker count, beside the step-only rate
+    e2e = result["end_to_end"]
+    assert [(r["workers"], r["ttt"], r["lm_head"], r["status"]) for r in e2e] == [
+        (0, 1, "frozen", "ok"), (2, 1, "frozen", "ok")]  # fmt: skip
+    for r in e2e:
+        assert r["step_only_tokens_per_s"] == base["tokens_per_s"] and r["real_tokens_per_s"] > 0
+        assert r["x_step"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
+    assert not any((tmp_path / "work").iterdir())  # the kept shards went after
 
     page = (out / "bench-gpu.md").read_text()
     assert page.startswith("# bench-gpu: cpu") and page in capsys.readouterr().out
@@ -151,6 +161,7 @@ def test_bench_gpu_end_to_end_on_cpu(tmp_path, monkeypatch, capsys, tiny_model_d
     assert page.count("skipped: speculators is not installed") == 4
     assert page.count("\n### draftsmith, ") == 8  # one profile per draftsmith row
     assert "## Loader (shard order" in page and "| 2 | cold | 200 |" in page
+    assert "## End to end: the step with the loader in front" in page
     assert all("| torch loss, blockwise, eager |" in line for line in table)
     lever_lines = page.split("## Speed levers (")[1].split("\n## ")[0].splitlines()
     lever_lines = [line for line in lever_lines if line.startswith("| ") and "TTT" not in line]
@@ -199,7 +210,8 @@ def test_auto_that_resolves_as_all_is_not_run_twice(monkeypatch, tiny_model_dir)
     """On a device where auto picks every lever, its row says so instead of running again."""
     every = {"fused_loss": True, "attention": "flex", "compile": True}
     monkeypatch.setattr(bench_gpu, "resolve_levers", lambda bcfg, device: every)
-    cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], attention="efficient")
+    cfg = bench_gpu.BenchGpuConfig(targets=[str(tiny_model_dir)], attention="efficient",
+                                   levers=["all", "auto"])  # fmt: skip
     row = bench_gpu.auto_shortcut(cfg, str(tiny_model_dir), 7, rows=[])
     assert row == {"status": "skipped: auto resolves to the levers of 'all' here"}
     cfg.levers = ["old", "auto"]  # no 'all' row to stand for it: auto runs

@@ -56,6 +56,9 @@ def test_bench_loader_reads_every_written_token(tmp_path, capsys):
     ]
     for p in passes:
         assert p["tokens"] == 300  # every written token came out of the loader, once
+        assert p["first_epoch_tokens"] == 300  # and once more in the untimed first epoch
+        assert p["first_epoch_s"] >= p["first_batch_s"] > 0
+        assert p["first_epoch_x_raw"] > 0
         assert p["row_tokens"] % 64 == 0 and p["row_tokens"] >= 300
         assert p["tokens_per_s"] > 0 and p["seconds"] > 0
         if p["cache"] == "warm" and p["resident_before"] is not None:
@@ -68,7 +71,23 @@ def test_bench_loader_reads_every_written_token(tmp_path, capsys):
     header = next(i for i, line in enumerate(lines) if line.startswith("storage"))
     rows = lines[header + 1 : header + 1 + len(passes)]
     assert [r.split()[:4] for r in rows] == [[s, c, str(w), "300"] for s, c, w in combos]
-    assert "bytes/token" in text and "MB/s of disk" in text
+    assert "bytes/token" in text and "x raw" in text and "where a token's time goes" in text
+
+    # x raw: each pass against one plain sequential read of the same files, same cache state
+    raw = {(r["storage_dtype"], r["cache"]): r for r in result["raw_reads"]}
+    assert sorted(raw) == sorted({(s, c) for s, c, _ in combos})
+    for (storage, _), r in raw.items():
+        assert r["bytes"] == round(300 * result["datasets"][storage]["file_bytes_per_token"])
+    for p in passes:
+        base = raw[(p["storage_dtype"], p["cache"])]
+        assert p["x_raw"] == p["disk_mb_per_s"] / base["mb_per_s"]
+    # the breakdown: one in-process pass per storage and cache, its phases sum to its time
+    phases = result["breakdown"]
+    assert [(b["storage_dtype"], b["cache"]) for b in phases] == list(raw)
+    for b in phases:
+        assert b["tokens"] == 300
+        assert {"open", "read", "checksum", "pack", "collate", "decode"} <= set(b["phases_s"])
+        assert abs(sum(b["phases_s"].values()) - b["seconds"]) < 1e-6
 
 
 def test_bench_loader_rejects_samples_longer_than_rows(tmp_path, capsys):

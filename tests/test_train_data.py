@@ -19,6 +19,7 @@ from draftsmith.dataset.shards import write_shard
 from draftsmith.drafters.attention.ttt import document_causal_mask, shift_tokens
 from draftsmith.drafters.losses.acceptance import step_validity
 from draftsmith.drafters.target.vocab import draft_vocab
+from draftsmith.train.batches import model_batch
 from draftsmith.train.data import StatesDataModule, token_counts
 from draftsmith.train.packing import (
     PAD_DOC_ID,
@@ -89,8 +90,13 @@ def dataset(tmp_path) -> tuple[Path, list[dict]]:
     return tmp_path / "ds", write_dataset(tmp_path / "ds", LENGTHS)
 
 
+def decoded(packed: PackedDataset, item: dict) -> dict:
+    """A stored row or batch as the drafters read it (what happens on the device)."""
+    return model_batch(item, packed.layout, packed.ds.dtype)
+
+
 def check_row(item: dict, rows: list[int], samples: list[dict], t: int, aux: list[int]) -> None:
-    """Every token of a packed row against the samples it holds, then the padding."""
+    """Every token of a packed row (decoded) against the samples it holds, then the padding."""
     aux_idx, teacher_idx = [LAYER_IDS.index(i) for i in aux], LAYER_IDS.index(NUM_LAYERS)
     start = 0
     for doc, i in enumerate(rows):
@@ -136,11 +142,15 @@ def test_packed_rows_layout(dataset):
     packed = PackedDataset(ds, rows, 12)
     assert packed.aux_layer_ids == [2, 4, 5] and packed.teacher_layer_id == 8
     items = [packed[r] for r in range(len(packed))]
+    assert items[0]["states"].shape == (12, 4, HIDDEN)  # stored: every layer the head reads
     for item, row in zip(items, rows, strict=True):
+        item = decoded(packed, item)
         assert item["aux_states"].shape == (12, 3 * HIDDEN)
         assert item["teacher_states"].shape == (12, HIDDEN)
         check_row(item, row, samples, 12, [2, 4, 5])
-    batch = collate(items)
+    whole = packed.__getitems__(list(range(len(rows))))  # what a DataLoader asks for
+    assert all(torch.equal(whole[k], collate(items)[k]) for k in whole)
+    batch = decoded(packed, collate(whole))
     assert batch["aux_states"].shape == (len(rows), 12, 3 * HIDDEN)
     assert batch["loss_mask"].dtype == torch.bool and batch["doc_ids"].shape == (len(rows), 12)
     # Padding is its own document: no attention, shifted token or label crosses into it.
@@ -163,11 +173,13 @@ def test_aux_layers_choose_and_order_layers(dataset):
     ds = open_dataset(path)
     rows = pack(ds.lengths, 12, None)
     eagle1 = PackedDataset(ds, rows, 12, aux_layers=[8])
-    check_row(eagle1[0], rows[0], samples, 12, [8])
-    assert torch.equal(eagle1[0]["aux_states"], eagle1[0]["teacher_states"])
+    assert eagle1[0]["states"].shape == (12, 1, HIDDEN)  # the one layer it reads
+    row = decoded(eagle1, eagle1[0])
+    check_row(row, rows[0], samples, 12, [8])
+    assert torch.equal(row["aux_states"], row["teacher_states"])
     unordered = PackedDataset(ds, rows, 12, aux_layers=[5, 2])
     assert unordered.aux_layer_ids == [2, 5]
-    check_row(unordered[1], rows[1], samples, 12, [2, 5])
+    check_row(decoded(unordered, unordered[1]), rows[1], samples, 12, [2, 5])
     for bad in ([3], [2, 2], []):
         with pytest.raises(DatasetError, match="aux_layers"):
             PackedDataset(ds, rows, 12, aux_layers=bad)
@@ -182,7 +194,7 @@ def test_long_samples_are_truncated_and_counted(tmp_path, capsys):
     assert dm.num_truncated == 2 and dm.tokens_cut == 11 and dm.val_dataloader() == []
     loader = dm.train_dataloader()
     for item, row in zip(loader.dataset, loader.dataset.rows, strict=True):
-        check_row(item, row, samples, 10, [2, 4, 5])
+        check_row(decoded(loader.dataset, item), row, samples, 10, [2, 4, 5])
     assert sum(int((b["doc_ids"] >= 0).sum()) for b in loader) == 10 + 4 + 10
 
 
@@ -244,8 +256,10 @@ def batches(loader) -> list[dict]:
 
 
 def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+    """Same batches (the pool slot a worker filled, where it used one, aside)."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
+        x, y = ({k: v for k, v in d.items() if k != "pool_slot"} for d in (x, y))
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
@@ -311,12 +325,14 @@ def test_noise_only_on_training_batches(dataset):
     dm = StatesDataModule(
         str(path), row_tokens=12, batch_size=16, val_fraction=0.0, num_workers=0, noise_std=0.5
     )
-    batch = next(iter(dm.train_dataloader()))  # every row: some padding among them
+    stored = next(iter(dm.train_dataloader()))  # every row: some padding among them
+    batch = dm.model_batch(stored)
     assert not is_noisy(batch)
     dm.trainer = SimpleNamespace(training=False)
-    assert dm.on_after_batch_transfer(batch, 0) is batch
+    plain = dm.on_after_batch_transfer(stored, 0)
+    assert plain.keys() == batch.keys() and all(torch.equal(plain[k], batch[k]) for k in batch)
     dm.trainer = SimpleNamespace(training=True)
-    noisy = dm.on_after_batch_transfer(batch, 0)
+    noisy = dm.on_after_batch_transfer(stored, 0)
     real = batch["doc_ids"] != PAD_DOC_ID
     assert (~real).any()
     diff = noisy["aux_states"] - batch["aux_states"]
@@ -415,7 +431,7 @@ def test_check_target_names_the_mismatch(dataset, field, value):
 def test_dtype_of_states(dataset):
     path, samples = dataset
     dm = StatesDataModule(str(path), row_tokens=12, num_workers=0, dtype="bfloat16")
-    batch = next(iter(dm.train_dataloader()))
+    batch = dm.model_batch(next(iter(dm.train_dataloader())))
     assert batch["aux_states"].dtype == torch.bfloat16
     assert batch["teacher_states"].dtype == torch.bfloat16
 
@@ -470,25 +486,104 @@ def test_shard_order_gives_the_same_batches_with_any_number_of_workers(tmp_path)
         assert_same_batches(batches(loader), reference)  # the next pass is whole again
 
 
-def test_shard_order_workers_refuse_a_corrupt_shard_before_any_of_its_batches(tmp_path):
-    """One worker hashes a shard (the one holding its first batch); a flipped byte fails
-    that batch, and no batch of the shard reaches the trainer, with any number of workers."""
+def corrupt_first_sample(root: Path, shard_index: int) -> None:
     from draftsmith.dataset.shards import read_header
 
-    write_dataset(tmp_path / "ds", SHARDED)
-    dm = StatesDataModule(str(tmp_path / "ds"), row_tokens=9, batch_size=2, val_fraction=0.2,
-                          seed=3, order="shards", num_workers=0)  # fmt: skip
-    plan = dm._shard_plan()
-    before = sum(plan.batches(k, plan.info(k)) for k in (0, 1, 2))
-    reference = batches(dm.train_dataloader())
-    shard = tmp_path / "ds" / "shard-00003.safetensors"
+    shard = root / f"shard-{shard_index:05d}.safetensors"
     spec = read_header(shard)[0]["hidden_states"]
     data = bytearray(shard.read_bytes())
-    data[spec.start + 4 * HIDDEN] ^= 0xFF  # a state of the first sample
+    data[spec.start + 4 * HIDDEN] ^= 0xFF  # a state of the first sample, same size
     shard.write_bytes(bytes(data))
+
+
+def test_shard_order_refuses_a_corrupt_sample_before_its_batch_trains(tmp_path):
+    """Each sample is checked (xxh3-64) on the bytes just read, by whichever worker reads
+    it: the flipped byte fails the batch holding that sample, in one line naming the shard
+    and the sample; every batch before it is the clean run's, with any number of workers."""
+    write_dataset(tmp_path / "ds", SHARDED)
+    plan = StatesDataModule(str(tmp_path / "ds"), row_tokens=9, batch_size=2, val_fraction=0.2,
+                            seed=3, order="shards", num_workers=0)._shard_plan()  # fmt: skip
+    before = sum(plan.batches(k, plan.info(k)) for k in (0, 1, 2))
+    reference = batches(shard_loader(tmp_path / "ds", 0))
+    corrupt_first_sample(tmp_path / "ds", 3)
+    failed_at = set()
     for workers in (0, 2, 3):
         seen = []
-        with pytest.raises(DatasetError, match="sha256 differs"):
+        with pytest.raises(DatasetError, match="xxh3-64") as err:
+            for batch in shard_loader(tmp_path / "ds", workers):
+                seen.append(batch)
+        line = str(err.value)  # from a worker: torch's "Caught ..." around it (the CLI
+        assert "shard-00003.safetensors: sample 's3-0'" in line  # unwraps it to the line)
+        assert "--repair true" in line and (workers or "\n" not in line)
+        assert before <= len(seen) < before + plan.batches(3, plan.info(3))
+        assert_same_batches(seen, reference[: len(seen)])
+        failed_at.add(len(seen))
+    assert len(failed_at) == 1  # the same batch whatever the worker count
+
+
+def test_an_older_shard_is_hashed_whole_once_per_run(tmp_path, monkeypatch):
+    """A shard without per-sample checksums (written before them) is refused whole by its
+    sha256 before any of its batches, as before; a clean one is hashed once per run, not
+    once per epoch."""
+    import draftsmith.core.files as files
+
+    write_dataset(tmp_path / "ds", SHARDED)
+    manifest = json.loads((tmp_path / "ds" / "manifest.json").read_text())
+    for info in manifest["shards"]:
+        del info["sample_xxh3"]
+    (tmp_path / "ds" / "manifest.json").write_text(json.dumps(manifest))
+    hashed = []
+    real = files.sha256_file
+    monkeypatch.setattr(files, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    loader = shard_loader(tmp_path / "ds", 0)
+    reference = batches(loader)
+    assert sorted(hashed) == sorted(set(hashed)) and len(hashed) == len(SHARDED)
+    assert_same_batches(batches(loader), reference)  # a second epoch: nothing hashed again
+    assert len(hashed) == len(SHARDED)
+    plan = loader.dataset.plan
+    before = sum(plan.batches(k, plan.info(k)) for k in (0, 1, 2))
+    corrupt_first_sample(tmp_path / "ds", 3)
+    for workers in (0, 2, 3):
+        seen = []
+        with pytest.raises(DatasetError, match="shard-00003.safetensors: sha256 differs"):
             for batch in shard_loader(tmp_path / "ds", workers):
                 seen.append(batch)
         assert_same_batches(seen, reference[:before])
+
+
+def test_workers_refill_only_the_batch_buffers_the_trainer_released(dataset):
+    """A worker reuses a batch's shared memory once the training process releases it, so
+    later batches are the same as fresh ones; one never released is never written again."""
+    from torch.utils.data import DataLoader
+
+    from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, release
+
+    path, _ = dataset
+    ds = open_dataset(path)
+    rows = pack(ds.lengths, 6, 0)
+    reference = [PackedDataset(ds, rows, 6)[r] for r in range(len(rows))]
+    assert len(rows) >= 8
+
+    def run(release_each: bool) -> tuple[list[dict], list[int]]:
+        packed = PackedDataset(ds, rows, 6, pool=BatchPool(workers=1, slots=3))
+        loader = DataLoader(packed, batch_size=1, num_workers=1, collate_fn=collate,
+                            prefetch_factor=1)  # fmt: skip
+        got, slots = [], []
+        for batch in loader:
+            slots.append(int(batch[SLOT_KEY][1]) if SLOT_KEY in batch else -1)
+            got.append({k: v[0].clone() for k, v in batch.items() if k != SLOT_KEY})
+            if release_each:
+                release(batch)
+            else:
+                got[-1]["kept"] = batch  # held, as a consumer unaware of the pool would
+        return got, slots
+
+    got, slots = run(release_each=True)
+    assert len(set(slots)) < len(slots) and -1 not in slots  # slots were reused
+    kept, kept_slots = run(release_each=False)
+    assert kept_slots[:3] == [0, 1, 2] and set(kept_slots[3:]) == {-1}  # then fresh memory
+    for a, b, ref in zip(got, kept, reference, strict=True):
+        assert all(torch.equal(a[k], ref[k]) and torch.equal(b[k], ref[k]) for k in ref)
+    for b, ref in zip(kept[:3], reference[:3], strict=True):  # held: their contents kept
+        held = b["kept"]
+        assert all(torch.equal(held[k][0], ref[k]) for k in ref)

@@ -8,10 +8,11 @@ ops), under the speed levers' auto settings and the levers they resolved to. The
 table: at the first target's shape, frozen lm_head, per TTT, the path before the levers
 (``old``: torch loss, efficient attention, eager), each lever alone (``fused``, ``flex``,
 ``compile``), all of them, and ``auto`` where it differs, with the speed ratio to ``old``.
-Then speculators' EAGLE-3 model at the same shapes and TTT (``bench_speculators.py``;
-a row says so when speculators is missing), and the training loader in shard order at the
-first target's shape with each worker count, against the rate of the frozen head at the
-smallest TTT (3: the fastest step, the hardest to feed).
+Then the training loader in shard order at the first target's shape with each worker
+count, against the rate of the frozen head at the smallest TTT (3: the fastest step, the
+hardest to feed), that step again with the loader in front of it (``gpu_loader.py``:
+end-to-end tok/s beside the step-only figure), and last speculators' EAGLE-3 model at the
+same shapes and TTT (``bench_speculators.py``; a row says so when speculators is missing).
 Writes ``bench-gpu.json`` and ``bench-gpu.md`` to ``output`` ($OUT on the device machine),
 again after every row, so a run cut short by its time limit still returns the rows it made.
 
@@ -48,6 +49,7 @@ from draftsmith.bench.gpu_config import (
     Options,
     check_config,
 )
+from draftsmith.bench.gpu_loader import end_to_end_rows, loader_rows
 from draftsmith.bench.gpu_report import markdown
 from draftsmith.bench.profile import profile_steps
 from draftsmith.bench.train import (
@@ -238,20 +240,6 @@ def speculators_missing() -> str | None:
     return None
 
 
-def loader_rows(cfg: BenchGpuConfig) -> dict:
-    """bench-loader's passes in shard order at the loader target's shape."""
-    from draftsmith.bench.loader import BenchLoaderConfig
-    from draftsmith.bench.loader import run as run_loader
-
-    lcfg = BenchLoaderConfig(
-        model=cfg.loader_target or cfg.targets[0], tokens=cfg.loader_tokens,
-        sample_tokens=cfg.loader_sample_tokens, row_tokens=cfg.row_tokens,
-        storage_dtypes=["bfloat16"], caches=[cfg.loader_cache], workers=cfg.loader_workers,
-        order="shards", work_dir=cfg.work_dir, output=None,
-    )  # fmt: skip
-    return {"status": "ok", **run_loader(lcfg)}
-
-
 def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict:
     """Every row of ``cfg``; ``save(result)`` after each (a run cut short keeps its rows)."""
     check_config(cfg)
@@ -299,14 +287,6 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
             lever_ratios(levers)
             if save:
                 save(result)
-    if cfg.speculators:
-        missing = speculators_missing()
-        for target in cfg.targets:
-            for ttt in cfg.ttt_steps:
-                key = {"trainer": "speculators", "target": target, "ttt": ttt, "lm_head": "frozen"}
-                label = f"speculators {Path(target).name} TTT {ttt}"
-                run_row = partial(speculators_row, cfg, target, ttt, peak)
-                add(key, {"status": f"skipped: {missing}"} if missing else guarded(run_row, label))
     if cfg.loader:
         loader = guarded(lambda: loader_rows(cfg), "loader, shard order")
         shape = cfg.loader_target or cfg.targets[0]
@@ -320,6 +300,19 @@ def run(cfg: BenchGpuConfig, save: Callable[[dict], None] | None = None) -> dict
         result["loader"] = loader
         if save:
             save(result)
+        if cfg.end_to_end:
+            e2e = end_to_end_rows(cfg, loader, rows, main_options(cfg), peak, guarded)
+            result["end_to_end"] = e2e
+            if save:
+                save(result)
+    if cfg.speculators:
+        missing = speculators_missing()
+        for target in cfg.targets:
+            for ttt in cfg.ttt_steps:
+                key = {"trainer": "speculators", "target": target, "ttt": ttt, "lm_head": "frozen"}
+                label = f"speculators {Path(target).name} TTT {ttt}"
+                run_row = partial(speculators_row, cfg, target, ttt, peak)
+                add(key, {"status": f"skipped: {missing}"} if missing else guarded(run_row, label))
     return result
 
 

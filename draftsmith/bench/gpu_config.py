@@ -63,10 +63,10 @@ class BenchGpuConfig:
     """The main rows' fused Triton loss (as ``model.fused_loss``)."""
     compile: CompileMode = "auto"
     """The main rows' torch.compile of the TTT unroll (as ``model.compile``)."""
-    levers: list[LeverConfig] = field(
-        default_factory=lambda: ["old", "fused", "flex", "compile", "all", "auto"]
-    )
-    """The levers table's configurations (``LEVERS``), frozen lm_head; [] = no table."""
+    levers: list[LeverConfig] = field(default_factory=list)
+    """The levers table's configurations (``LEVERS``), frozen lm_head; [] (the default since
+    2026-11-28, so that speculators' rows and the end-to-end rows fit one call) = no table;
+    every one: ``[old, fused, flex, compile, all, auto]``."""
     levers_ttt_steps: list[int] = field(default_factory=lambda: [3, 7])
     """TTT settings of the levers table."""
     levers_target: str | None = None
@@ -89,6 +89,9 @@ class BenchGpuConfig:
     """Mean sample length of that dataset (at most 2/3 of ``row_tokens``)."""
     loader_cache: Literal["cold", "warm"] = "cold"
     """Page cache before each loader pass: cold (shards evicted) or warm."""
+    end_to_end: bool = True
+    """With ``loader``: time the frozen head's smallest-TTT step again on the loader's batches
+    (one row per ``loader_workers``), beside the step-only figure."""
     work_dir: str = "outputs/bench-gpu-work"
     """Where the loader's shards are written (and removed); not the output folder."""
     peak_tflops: float | None = None

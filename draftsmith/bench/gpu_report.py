@@ -138,14 +138,41 @@ def loader_table(loader: dict) -> list[str]:
         f"CPUs. The GPU rate to feed (draftsmith, TTT {loader.get('gpu_ttt') or '-'}, frozen "
         f"lm_head): {num(gpu)} tok/s.",
         "",
-        "| workers | cache | tokens | tok/s | x GPU rate | disk MB/s | 1st batch s |",
-        "|---|---|---|---|---|---|---|",
+        "| workers | cache | tokens | tok/s | x GPU rate | MB/s | x raw | 1st batch s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in loader["passes"]:
         x = "-" if p.get("x_gpu") is None else f"{p['x_gpu']:.2f}x"
+        raw = "-" if p.get("x_raw") is None else f"{p['x_raw']:.2f}"
         lines.append(
             f"| {p['workers']} | {p['cache']} | {p['tokens']:,} | {num(p['tokens_per_s'])} "
-            f"| {x} | {num(p['disk_mb_per_s'])} | {p['first_batch_s']:.2f} |"
+            f"| {x} | {num(p['disk_mb_per_s'])} | {raw} | {p['first_batch_s']:.2f} |"
+        )
+    for r in loader.get("raw_reads", []):
+        lines.append(f"\nraw sequential read, {r['cache']}: {num(r['mb_per_s'])} MB/s")
+    for b in loader.get("breakdown", []):
+        parts = ", ".join(f"{k} {v / b['seconds']:.0%}" for k, v in b["phases_s"].items())
+        lines.append(f"\nin-process pass, {b['cache']} ({num(b['tokens_per_s'])} tok/s): {parts}")
+    return lines
+
+
+def end_to_end_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "## End to end: the step with the loader in front",
+        "",
+        "| target | TTT | workers | tok/s | real tok/s | step only tok/s | x step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {Path(r['target']).name} | {r['ttt']} | {r['workers']} | "
+                         f"{r.get('status')} | | | |")  # fmt: skip
+            continue
+        x = "-" if r.get("x_step") is None else f"{r['x_step']:.2f}x"
+        lines.append(
+            f"| {Path(r['target']).name} | {r['ttt']} | {r['workers']} | {num(r['tokens_per_s'])}"
+            f" | {num(r['real_tokens_per_s'])} | {num(r.get('step_only_tokens_per_s'))} | {x} |"
         )
     return lines
 
@@ -181,4 +208,6 @@ def markdown(result: dict) -> str:
     ]
     if "loader" in result:
         lines += loader_table(result["loader"])
+    if result.get("end_to_end"):
+        lines += end_to_end_table(result["end_to_end"])
     return "\n".join(lines) + "\n"

@@ -249,9 +249,10 @@ def loader_rows(cfg: BenchTrainConfig, device: str) -> Iterator[dict[str, torch.
     if cfg.cold:
         evict(Path(cfg.data).glob("shard-*.safetensors"))
     names = {"aux_states": "aux", "teacher_states": "teacher", "position_ids": "positions"}
-    while True:
+    while True:  # as training moves them: a side stream, then decoded on the device
         for batch in module.train_dataloader():
-            yield {names.get(k, k): v.to(device, non_blocking=True) for k, v in batch.items()}
+            batch = module.model_batch(module.copy(batch, torch.device(device)))
+            yield {names.get(k, k): v for k, v in batch.items()}
 
 
 def mfu(head: torch.nn.Module, cfg: BenchTrainConfig, tokens_per_s: float) -> float | None:

@@ -1,49 +1,49 @@
-"""Read a draftsmith dataset: memory-mapped, random-access samples from its shards.
+"""Read a draftsmith dataset: random-access samples from its shards, read with ``pread``.
 
 Opening a dataset reads ``manifest.json`` and each shard's header and sample offsets
-only. ``ds[i]`` then maps the shard holding sample i (once per process, lazily) and
-copies just that sample's token range out of it, so random access costs one sample's
-bytes however large the shards are. Safe in ``DataLoader`` workers: memory maps are never
-pickled, each process opens its own.
+only. ``ds[i]`` then reads just that sample's token ranges from the shard holding it, so
+random access costs one sample's bytes however large the shards are; ``read_into`` reads
+them straight into a caller's buffers (the training loader's batches). Safe in
+``DataLoader`` workers: file descriptors are never pickled, each process opens its own.
 
-Every shard's bytes are checked against the manifest's sha256 the first time a process
-maps it, before any of its samples is returned (``check_shards``, on by default): a byte
-flipped anywhere in a shard is refused in one line naming the shard and the command that
-re-extracts it. Hashing reads the shard once through the map, which also warms the page
-cache for the samples that follow; shards verified in a process stay verified in the
-DataLoader workers it starts (the set travels with the dataset).
+Checks (``check_shards``, on by default): a shard whose sidecar recorded per-sample
+xxh3-64 digests (``shards.sample_digest``; every shard written since 2026-11-28) has each
+sample checked on the bytes just read, before it is returned: a byte flipped anywhere in a
+sample's token ids, loss mask, states or scales is refused in one line naming the shard, the
+sample and the command that re-extracts it. An older shard (sha256 only) is hashed whole
+the first time a process reads it, as before; shards verified in a process stay verified in
+the DataLoader workers it starts (the set travels with the dataset).
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import math
-import mmap
-import os
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset
+from xxhash import xxh3_64
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import sha256_file
 from draftsmith.core.readers import parse_json
+from draftsmith.dataset.sample_io import PHASES, OpenFiles, byte_view, pread_into, will_need
 from draftsmith.dataset.shards import (
     FORMAT,
     TORCH_STORAGE_DTYPES,
     TensorSpec,
+    check_tensors,
     decode_hidden,
     read_header,
-    read_rows,
 )
 
 FORMAT_VERSIONS = (1,)
-MAX_OPEN_SHARDS = 128  # memory maps kept per process; older ones are dropped (LRU)
+MAX_OPEN_SHARDS = 128  # file descriptors kept per process; older ones are closed (LRU)
 
 
 @dataclass
@@ -53,6 +53,7 @@ class _Shard:
     offsets: list[int]  # [S + 1] token offsets of the samples
     sample_ids: list[str]
     sha256: str | None = None  # the manifest's checksum of the whole file
+    digests: list[str] | None = None  # per sample xxh3-64 (shards written since 2026-11-28)
 
 
 class HiddenStatesDataset(Dataset):
@@ -71,6 +72,7 @@ class HiddenStatesDataset(Dataset):
         verify_checksums: bool = False,
         check_shards: bool = True,
         shard_infos: list[dict[str, Any]] | None = None,
+        manifest: dict[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
         self.dtype = dtype
@@ -78,7 +80,11 @@ class HiddenStatesDataset(Dataset):
         self._verified: set[int] = set()  # shards whose sha256 this process tree checked
         # ``shard_infos``: these shards only (their manifest entries or sidecars), e.g. one
         # shard of a dataset still being written (training shard by shard, streaming).
-        self.manifest = _load_manifest(self.path, allow_incomplete or shard_infos is not None)
+        # ``manifest``: the dataset's, already read (the loader opens a shard at a time, and
+        # a million-sample manifest takes seconds to parse).
+        if manifest is None:
+            manifest = _load_manifest(self.path, allow_incomplete or shard_infos is not None)
+        self.manifest = manifest
         self.storage_dtype: str = self.manifest["storage_dtype"]
         self.layer_ids: list[int] = list(self.manifest["layer_ids"])
         self.num_layers = len(self.layer_ids)
@@ -95,8 +101,7 @@ class HiddenStatesDataset(Dataset):
         self._starts = [0]  # global index of each shard's first sample
         for s in self._shards:
             self._starts.append(self._starts[-1] + len(s.sample_ids))
-        self._maps: OrderedDict[int, mmap.mmap] = OrderedDict()
-        self._pid = os.getpid()
+        self._files = OpenFiles(MAX_OPEN_SHARDS)
 
     def _open_shard(self, info: dict, verify_checksums: bool) -> _Shard:
         path = self.path / info["file"]
@@ -125,7 +130,7 @@ class HiddenStatesDataset(Dataset):
                 f"{metadata.get('storage_dtype')!r}, expected {FORMAT!r} storing "
                 f"{self.storage_dtype!r} as the manifest says"
             )
-        self._check_tensors(path, tensors)
+        check_tensors(path, tensors, self.storage_dtype, self.num_layers, self.hidden_size)
         sample_ids = parse_json(metadata.get("sample_ids", ""), path, "shard", rerun)
         if sample_ids != info["sample_ids"]:
             raise DatasetError(f"{path}: its sample ids differ from the manifest's ({rerun})")
@@ -142,34 +147,13 @@ class HiddenStatesDataset(Dataset):
             or any(b < a for a, b in zip(offsets, offsets[1:], strict=False))
         ):
             raise DatasetError(f"{path}: sample_offsets do not describe its {n} tokens")
-        return _Shard(path, tensors, offsets, sample_ids, info.get("sha256"))
-
-    def _check_tensors(self, path: Path, tensors: dict[str, TensorSpec]) -> None:
-        required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
-        if self.storage_dtype == "fp8_e4m3":
-            required.append("hidden_scales")
-        missing = [name for name in required if name not in tensors]
-        if missing:
-            raise DatasetError(f"{path}: missing tensors {missing}")
-        n = tensors["input_ids"].shape[0]
-        hidden_rows = (n, self.num_layers) if n else tensors["hidden_states"].shape[:2]
-        expected = {  # an empty shard is written without L and H: take them as they are
-            "sample_offsets": (torch.int64, tensors["sample_offsets"].shape[:1]),
-            "input_ids": (torch.int32, (n,)),
-            "loss_mask": (torch.uint8, (n,)),
-            "hidden_states": (
-                TORCH_STORAGE_DTYPES[self.storage_dtype],
-                (*hidden_rows, self.hidden_size if n else tensors["hidden_states"].shape[-1]),
-            ),
-            "hidden_scales": (torch.float32, hidden_rows),
-        }
-        for name in required:
-            (dtype, shape), got = expected[name], tensors[name]
-            if got.dtype != dtype or got.shape != shape:
-                raise DatasetError(
-                    f"{path}: tensor {name} is {got.dtype} {list(got.shape)}, "
-                    f"expected {dtype} {list(shape)}"
-                )
+        digests = info.get("sample_xxh3") or None
+        if digests is not None and len(digests) != len(sample_ids):
+            raise DatasetError(
+                f"{path}: its record lists {len(digests)} sample checksums for "
+                f"{len(sample_ids)} samples ({rerun})"
+            )
+        return _Shard(path, tensors, offsets, sample_ids, info.get("sha256"), digests)
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -179,31 +163,29 @@ class HiddenStatesDataset(Dataset):
         """The shard files this dataset reads, in order (shards without samples left out)."""
         return [s.path for s in self._shards]
 
-    def _map(self, k: int) -> mmap.mmap:
-        """The memory map of shard k, opened on first use in this process."""
-        if self._pid != os.getpid():  # a forked worker: start with its own maps
-            self._maps, self._pid = OrderedDict(), os.getpid()
-        if k in self._maps:
-            self._maps.move_to_end(k)
-            return self._maps[k]
-        with open(self._shards[k].path, "rb") as f:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if self.check_shards and k not in self._verified:
-            self._verify(k, mapped)
-        self._maps[k] = mapped
-        if len(self._maps) > MAX_OPEN_SHARDS:
-            self._maps.popitem(last=False)
-        return mapped
+    @property
+    def has_digests(self) -> bool:
+        """Every shard records per-sample checksums (each sample is checked as read)."""
+        return all(s.digests is not None for s in self._shards)
 
-    def _verify(self, k: int, mapped: mmap.mmap) -> None:
-        """Hash shard k's mapped bytes (whole file) and compare with the manifest's sha256."""
+    def _fd(self, k: int) -> int:
+        """Shard k's file descriptor in this process; an older shard (no per-sample
+        checksums) is hashed whole first, once per process tree."""
+        shard = self._shards[k]
+        if self.check_shards and shard.digests is None and k not in self._verified:
+            self._verify(k)
+        return self._files.get(k, shard.path)
+
+    def _verify(self, k: int) -> None:
+        """Hash shard k's bytes (whole file) and compare with the manifest's sha256."""
+        from draftsmith.core.files import sha256_file
+
         shard = self._shards[k]
         if shard.sha256 is None:
             return
-        with memoryview(mapped) as view:
-            digest = hashlib.sha256(view).hexdigest()
+        with PHASES("checksum"):
+            digest = sha256_file(shard.path)
         if digest != shard.sha256:
-            mapped.close()
             raise DatasetError(
                 f"{shard.path}: sha256 differs from the manifest's, the shard is corrupt "
                 f"(same size, other bytes); re-extract only the corrupt shards with "
@@ -211,40 +193,132 @@ class HiddenStatesDataset(Dataset):
             )
         self._verified.add(k)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        """Sample ``i``: ids/mask ``[T]`` and ``hidden_states`` ``[T, L, H]`` in ``self.dtype``."""
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard position, sample within it) of sample ``i``."""
         i = int(i)
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(f"sample index {i} out of range for {len(self)} samples")
         k = bisect.bisect_right(self._starts, i) - 1
-        shard, s = self._shards[k], i - self._starts[k]
+        return k, i - self._starts[k]
+
+    def byte_ranges(self, i: int) -> list[tuple[int, int]]:
+        """(file offset, length) of sample ``i``'s states (and scales): what a reader asks
+        the kernel to read ahead (``will_need``)."""
+        k, s = self.locate(i)
+        shard = self._shards[k]
         first, last = shard.offsets[s], shard.offsets[s + 1]
-        mapped, rows = self._map(k), last - first
-        t = shard.tensors
-        hidden = read_rows(mapped, t["hidden_states"], first, rows)
-        scales = (
-            read_rows(mapped, t["hidden_scales"], first, rows) if "hidden_scales" in t else None
-        )
+        out = []
+        for name in ("hidden_states", "hidden_scales"):
+            if name in shard.tensors:
+                spec = shard.tensors[name]
+                row = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+                out.append((spec.start + first * row, (last - first) * row))
+        return out
+
+    def will_need(self, indices: list[int]) -> None:
+        """Start reading these samples' states from disk in the background."""
+        for i in indices:
+            k, _ = self.locate(i)
+            will_need(self._fd(k), self.byte_ranges(i))
+
+    def read_into(
+        self,
+        i: int,
+        ids: Tensor,
+        mask: Tensor,
+        states: Tensor,
+        scales: Tensor | None = None,
+        layers: list[int] | None = None,
+    ) -> None:
+        """Sample ``i``'s first ``n = len(ids)`` tokens, as stored, into the given buffers:
+        ``ids`` long [n], ``mask`` bool [n], ``states`` [n, len(layers), H] in the storage
+        dtype and, fp8 only, ``scales`` float32 [n, len(layers)]. ``layers``: positions on the
+        dataset's layer axis to keep (None: all; then the states are read straight into
+        ``states``). The sample's checksum covers all of its bytes, so all are read."""
+        k, s = self.locate(i)
+        shard, t = self._shards[k], self._shards[k].tensors
+        first, last = shard.offsets[s], shard.offsets[s + 1]
+        rows, n = last - first, ids.numel()
+        if n > rows:
+            raise ValueError(f"sample {i} has {rows} tokens, asked for {n}")
+        fd = self._fd(k)
+        check = self.check_shards and shard.digests is not None
+        digest = xxh3_64() if check else None
+        whole = layers is None or list(layers) == list(range(self.num_layers))
+
+        def read(name: str, dest: Tensor | None) -> Tensor:
+            """Rows first:last of ``name``; its first n rows land in ``dest`` where given."""
+            spec = t[name]
+            row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
+            shape = (rows, *spec.shape[1:])
+            at = spec.start + first * row_bytes
+            parts = [dest.view(spec.dtype)] if dest is not None else []
+            if dest is None or n < rows:  # the tail (or all of it) goes to scratch
+                parts.append(torch.empty((rows - (n if dest is not None else 0), *shape[1:]),
+                                         dtype=spec.dtype))  # fmt: skip
+            for part in parts:
+                view = byte_view(part)
+                with PHASES("read"):
+                    pread_into(fd, view, at, shard.path)
+                if digest is not None:
+                    with PHASES("checksum"):
+                        digest.update(view)
+                at += view.nbytes
+            return parts[-1] if dest is None else parts[0]
+
+        got_ids = read("input_ids", None)
+        ids.copy_(got_ids[:n])
+        got_mask = read("loss_mask", mask if n == rows else None)
+        if n < rows:
+            mask.copy_(got_mask[:n].view(torch.bool))
+        if whole:
+            read("hidden_states", states)
+        else:
+            states.copy_(read("hidden_states", None)[:n, layers])
+        if "hidden_scales" in t:
+            if scales is None:
+                raise ValueError("fp8 states need a scales buffer")
+            if whole:
+                read("hidden_scales", scales)
+            else:
+                scales.copy_(read("hidden_scales", None)[:n, layers])
+        if digest is not None and digest.hexdigest() != shard.digests[s]:
+            raise DatasetError(
+                f"{shard.path}: sample {shard.sample_ids[s]!r} (tokens {first}-{last}) differs "
+                "from its xxh3-64 in the manifest, the shard is corrupt (same size, other "
+                f"bytes); re-extract only the corrupt shards with `draftsmith extract --output "
+                f"{self.path} --repair true`"
+            )
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Sample ``i``: ids/mask ``[T]`` and ``hidden_states`` ``[T, L, H]`` in ``self.dtype``."""
+        k, s = self.locate(i)
+        shard = self._shards[k]
+        rows = shard.offsets[s + 1] - shard.offsets[s]
+        stored = TORCH_STORAGE_DTYPES[self.storage_dtype]
+        ids, mask = torch.empty(rows, dtype=torch.long), torch.empty(rows, dtype=torch.bool)
+        states = torch.empty(rows, self.num_layers, self.hidden_size, dtype=stored)
+        scales = None
+        if "hidden_scales" in shard.tensors:
+            scales = torch.empty(rows, self.num_layers, dtype=torch.float32)
+        self.read_into(i, ids, mask, states, scales)
         return {
             "id": shard.sample_ids[s],
-            "input_ids": read_rows(mapped, t["input_ids"], first, rows).to(torch.long),
-            "loss_mask": read_rows(mapped, t["loss_mask"], first, rows).to(torch.bool),
-            "hidden_states": decode_hidden(hidden, scales, self.dtype),
+            "input_ids": ids,
+            "loss_mask": mask,
+            "hidden_states": decode_hidden(states, scales, self.dtype),
         }
 
     def token_ids(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(sample id, ``input_ids`` [T] long) of every sample, without reading hidden states."""
         for k, shard in enumerate(self._shards):
-            ids = read_rows(self._map(k), shard.tensors["input_ids"], 0, shard.offsets[-1])
+            ids = torch.empty(shard.offsets[-1], dtype=torch.int32)
+            spec = shard.tensors["input_ids"]
+            pread_into(self._files.get(k, shard.path), byte_view(ids), spec.start, shard.path)
             for s, sid in enumerate(shard.sample_ids):
                 yield sid, ids[shard.offsets[s] : shard.offsets[s + 1]].to(torch.long)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_maps"] = OrderedDict()  # memory maps stay in the process that opened them
-        return state
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,11 @@ hidden size H):
 - ``hidden_states`` ``[N, L, H]`` in the storage dtype (bf16, f16, f32 or fp8 e4m3)
 - ``hidden_scales`` float32 ``[N, L]``, fp8 only: ``value ≈ fp8 * scale`` per token and layer
 
+Besides the whole file's sha256, ``ShardInfo.sample_xxh3`` records each sample's xxh3-64 over
+its bytes as stored (``input_ids``, ``loss_mask``, ``hidden_states``, then ``hidden_scales``
+where present, each over the sample's token range): the loader checks every sample on the
+bytes it has just read, so no second pass over the file is needed (``dataset/sample_io.py``).
+
 The file is plain safetensors (any safetensors reader opens it). It is written by hand
 rather than through ``safetensors.torch.save`` so that samples stream to disk without a
 concatenated copy, the sha256 is computed from the bytes as they are written, and every
@@ -20,13 +25,13 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+import xxhash
 
 from draftsmith.core.errors import DatasetError
 from draftsmith.core.files import write_atomic
@@ -117,13 +122,14 @@ class ShardInfo:
     bytes: int
     sha256: str
     sample_ids: list[str] = field(default_factory=list)
+    sample_xxh3: list[str] = field(default_factory=list)  # per sample: ``sample_digest``
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShardInfo:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 def _validate(samples: list[dict]) -> tuple[int, int]:
@@ -167,6 +173,15 @@ def _validate(samples: list[dict]) -> tuple[int, int]:
     return shape if shape is not None else (0, 0)
 
 
+def sample_digest(pieces: list[Any]) -> str:
+    """xxh3-64 (hex) of a sample's stored bytes: its ``input_ids``, ``loss_mask``,
+    ``hidden_states`` and (fp8) ``hidden_scales`` ranges, in that order."""
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """A tensor's bytes (host order, i.e. little-endian on every supported platform)."""
     flat = t.detach().cpu().contiguous().reshape(-1)
@@ -207,6 +222,10 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
         layout["hidden_scales"] = (torch.float32, [n, num_layers], scales)
 
     sample_ids = [s["id"] for s in samples]
+    pieces = [layout[name][2] for name in ("input_ids", "loss_mask", "hidden_states")]
+    if storage_dtype == "fp8_e4m3":
+        pieces.append(layout["hidden_scales"][2])
+    digests = [sample_digest([_raw(p[k]) for p in pieces]) for k in range(len(samples))]
     header: dict[str, Any] = {
         "__metadata__": {
             "format": FORMAT,
@@ -247,14 +266,15 @@ def write_shard(path: Path, samples: list[dict], storage_dtype: str) -> ShardInf
         bytes=size,
         sha256=sha,
         sample_ids=sample_ids,
+        sample_xxh3=digests,
     )
 
 
 # ----- reading ---------------------------------------------------------------------
 # The format: 8 bytes of little-endian header length, a JSON header mapping each tensor name
 # to ``dtype``, ``shape`` and ``data_offsets`` (plus ``__metadata__``), then the raw bytes.
-# Reading the header alone tells where every tensor starts, so a sample's rows can be copied
-# out of a memory map without touching the rest of the file.
+# Reading the header alone tells where every tensor starts, so a sample's rows can be read
+# without touching the rest of the file (``reader.py``, ``sample_io.py``).
 MAX_HEADER_BYTES = 1 << 28
 
 
@@ -304,18 +324,33 @@ def read_header(path: Path) -> tuple[dict[str, TensorSpec], dict[str, str]]:
     return tensors, metadata
 
 
-def read_rows(mapped: mmap.mmap, spec: TensorSpec, first: int, rows: int) -> torch.Tensor:
-    """Rows ``first:first + rows`` (along dim 0) of a tensor in a mapped file, copied out.
-
-    Only those rows' pages are touched. The copy goes into a private ``bytearray``: the
-    result is an ordinary writable tensor and no view into the (read-only) map survives.
-    """
-    row_bytes = math.prod(spec.shape[1:]) * spec.dtype.itemsize
-    shape = (rows, *spec.shape[1:])
-    if rows * row_bytes == 0:
-        return torch.empty(shape, dtype=spec.dtype)
-    start = spec.start + first * row_bytes
-    buf = bytearray(rows * row_bytes)
-    with memoryview(mapped) as view:
-        buf[:] = view[start : start + len(buf)]
-    return torch.frombuffer(buf, dtype=spec.dtype).view(shape)
+def check_tensors(
+    path: Path, tensors: dict[str, TensorSpec], storage_dtype: str, num_layers: int, hidden: int
+) -> None:
+    """Refuse a shard whose tensors are missing or of other dtypes or shapes than its
+    dataset's (``storage_dtype``, ``num_layers`` x ``hidden``)."""
+    required = ["sample_offsets", "input_ids", "loss_mask", "hidden_states"]
+    if storage_dtype == "fp8_e4m3":
+        required.append("hidden_scales")
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise DatasetError(f"{path}: missing tensors {missing}")
+    n = tensors["input_ids"].shape[0]
+    hidden_rows = (n, num_layers) if n else tensors["hidden_states"].shape[:2]
+    expected = {  # an empty shard is written without L and H: take them as they are
+        "sample_offsets": (torch.int64, tensors["sample_offsets"].shape[:1]),
+        "input_ids": (torch.int32, (n,)),
+        "loss_mask": (torch.uint8, (n,)),
+        "hidden_states": (
+            TORCH_STORAGE_DTYPES[storage_dtype],
+            (*hidden_rows, hidden if n else tensors["hidden_states"].shape[-1]),
+        ),
+        "hidden_scales": (torch.float32, hidden_rows),
+    }
+    for name in required:
+        (dtype, shape), got = expected[name], tensors[name]
+        if got.dtype != dtype or got.shape != shape:
+            raise DatasetError(
+                f"{path}: tensor {name} is {got.dtype} {list(got.shape)}, "
+                f"expected {dtype} {list(shape)}"
+            )

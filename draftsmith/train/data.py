@@ -1,7 +1,9 @@
 """Training data: the Lightning data module over a draftsmith dataset, for every drafter
-kind. Samples are packed into rows by ``packing.py``; the batch each row becomes
-(``input_ids``, ``aux_states``, ``teacher_states``, ``position_ids``, ``doc_ids``,
-``loss_mask``, each [B, T, ...]) is described in ``draftsmith.drafters.protocol.batch``."""
+kind. Samples are packed into rows by ``packing.py`` and read, as stored, straight into
+the loader's batches (``batches.py``); on the device, after the copy (a side CUDA stream
+on a GPU), each batch becomes the one every drafter trains on (``input_ids``,
+``aux_states``, ``teacher_states``, ``position_ids``, ``doc_ids``, ``loss_mask``, each
+[B, T, ...]: ``draftsmith.drafters.protocol.batch``)."""
 
 from __future__ import annotations
 
@@ -18,12 +20,12 @@ from torch.utils.data import DataLoader
 
 from draftsmith.core.console import say
 from draftsmith.core.errors import ConfigError
-from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
 from draftsmith.dataset import DatasetError, HiddenStatesDataset, open_dataset
-from draftsmith.dataset.shards import SHARD_FIX
 from draftsmith.dataset.stream import StreamDir, StreamOptions
-from draftsmith.train.packing import (
+from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, detach_from, release
+from draftsmith.train.batches import SideStreamCopy, layout, model_batch
+from draftsmith.train.packing import (  # token_counts: imported from here too
     PackedDataset,
     ResumableLoader,
     RowSampler,
@@ -33,44 +35,15 @@ from draftsmith.train.packing import (
     resolve_aux_layers,
     split_samples,
     teacher_layer_id,
+    token_counts,
     worker_init,
 )
-from draftsmith.train.shard_order import ShardBatches, ShardLoader
+from draftsmith.train.shard_loader import ShardLoader
+from draftsmith.train.shard_order import ShardBatches
 from draftsmith.train.shard_plan import ShardPlan
 from draftsmith.train.shard_window import open_window
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def token_counts(
-    ds: HiddenStatesDataset, vocab_size: int, samples: list[int] | None = None
-) -> Tensor:
-    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``,
-    over the dataset's samples at positions ``samples`` (all of them when None).
-
-    Reads only ``input_ids``, ``loss_mask`` and ``sample_offsets`` of each shard, never the
-    hidden states.
-    """
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    wanted = None if samples is None else set(samples)
-    first = 0  # dataset position of the shard's first sample
-    for path in ds.shard_paths:
-        with open_safetensors(path, "shard", SHARD_FIX) as f:
-            keep = f.get_tensor("loss_mask").bool()
-            offsets = f.get_tensor("sample_offsets").tolist()
-            if wanted is not None:
-                for s, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False)):
-                    if first + s not in wanted:
-                        keep[a:b] = False
-            first += len(offsets) - 1
-            ids = f.get_tensor("input_ids").long()[keep]
-        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise DatasetError(
-                f"{path}: token ids span [{ids.min()}, {ids.max()}], "
-                f"outside a vocabulary of {vocab_size}"
-            )
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
 
 
 class StatesDataModule(pl.LightningDataModule):
@@ -106,9 +79,13 @@ class StatesDataModule(pl.LightningDataModule):
             returning it (glibc ``mallopt``): at an 8B shape a packed row is ~100 MB and
             re-faulting it every batch cost 2.5x the loader's time (``make bench-loader``);
             the price is each worker keeping its peak heap (0.5-1.5 GB there).
-        check_shards: check each shard's sha256 against the manifest the first time a
-            process maps it, before any of its samples trains (a flipped byte anywhere is
-            refused in one line); false skips it (``make bench-loader`` measures the cost).
+        check_shards: check what is read: each sample against its xxh3-64 in the manifest
+            as its bytes are read (shards written since 2026-11-28), or an older shard's
+            sha256 once per run before any of its samples trains; a flipped byte is refused
+            in one line. False skips it (``make bench-loader`` measures the cost).
+        prefetch_factor: batches each loader worker reads ahead of the step (as torch's
+            DataLoader takes it); more hides uneven reads, each costs a batch of shared
+            memory (at an 8B shape ~130 MB a row in bf16).
         order: samples (every training sample packed together, rows shuffled each epoch) or
             shards (plan order, rows packed and shuffled within each shard: the order a
             streamed run trains in, whatever order shards arrive in; ``shard_order.py``).
@@ -142,6 +119,7 @@ class StatesDataModule(pl.LightningDataModule):
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         workers_keep_memory: bool = True,
         check_shards: bool = True,
+        prefetch_factor: int = 2,
         order: Literal["samples", "shards"] = "samples",
         fit_shards: int | None = None,
         stream: StreamOptions | None = None,
@@ -159,6 +137,10 @@ class StatesDataModule(pl.LightningDataModule):
                 "data: row_tokens and batch_size must be >= 1, num_workers and noise_std >= 0; "
                 f"got {row_tokens}, {batch_size}, {num_workers}, {noise_std}"
             )
+        if prefetch_factor < 1:
+            raise ConfigError(f"data.prefetch_factor: {prefetch_factor}; give at least 1")
+        self.prefetch_factor = prefetch_factor
+        self.copy = SideStreamCopy()
         self.data, self.row_tokens, self.batch_size = data, row_tokens, batch_size
         self.val_data = val_data
         self.num_workers, self.seed, self.noise_std = num_workers, seed, noise_std
@@ -188,6 +170,7 @@ class StatesDataModule(pl.LightningDataModule):
         self.layer_ids: list[int] = list(self.dataset.layer_ids)
         self.teacher_layer_id = teacher_layer_id(self.manifest, data)
         self.aux_layer_ids = resolve_aux_layers(self.layer_ids, aux_layers)
+        self.layout = layout(self.dataset, row_tokens, self.aux_layer_ids, self.teacher_layer_id)
         self.hidden_size: int = self.dataset.hidden_size
         self.vocab_size: int = int(self.manifest["target"]["vocab_size"])
         self.target_path: str = self.manifest["target"]["path"]
@@ -261,8 +244,10 @@ class StatesDataModule(pl.LightningDataModule):
         lengths = [dataset.lengths[i] for i in indices]
         rows = [[indices[i] for i in row] for row in pack(lengths, self.row_tokens, seed)]
         sampler = RowSampler(len(rows), seed, *self.ranks())
+        slots = self.prefetch_factor + 3  # prefetched, pinning, training, fetched ahead
+        pool = BatchPool(self.num_workers, slots) if self.num_workers else None
         return ResumableLoader(
-            PackedDataset(dataset, rows, self.row_tokens, self.aux_layer_ids),
+            PackedDataset(dataset, rows, self.row_tokens, self.aux_layer_ids, pool),
             batches_done=self._batches_done,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -271,6 +256,7 @@ class StatesDataModule(pl.LightningDataModule):
             worker_init_fn=partial(worker_init, keep_memory=self.workers_keep_memory),
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            prefetch_factor=self.prefetch_factor if self.num_workers else None,
         )
 
     def num_train_batches(self) -> int:
@@ -321,6 +307,7 @@ class StatesDataModule(pl.LightningDataModule):
                 self.seed,
                 val_ids,
                 self.listed,
+                {k: v for k, v in self.manifest.items() if k != "shards"},
             )
         return self.shard_plan
 
@@ -338,7 +325,7 @@ class StatesDataModule(pl.LightningDataModule):
             self.aux_layer_ids,
             self.dtype,
             self.check_shards,
-            self.hidden_size,
+            self.layout,
             lambda: self.trainer.current_epoch if self.trainer else 0,
             self.stream,
             lambda: self.trainer.max_epochs if self.trainer else None,
@@ -348,6 +335,7 @@ class StatesDataModule(pl.LightningDataModule):
             self._batches_done,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
+            prefetch_factor=self.prefetch_factor,
             worker_init_fn=partial(worker_init, keep_memory=self.workers_keep_memory),
             on_stop=stop,
         )
@@ -364,8 +352,26 @@ class StatesDataModule(pl.LightningDataModule):
             return []
         return self._loader(self.val_dataset, self.val_indices, None)
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int):
+        """A side CUDA stream on a GPU (``batches.SideStreamCopy``); ``.to`` elsewhere. Once
+        copied to a GPU, the worker may refill the batch's buffers (``batch_pool.py``)."""
+        out = self.copy(batch, device)
+        if device.type == "cuda":
+            release(batch)
+        return out
+
+    def model_batch(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The drafters' batch from a loader's (stored) batch, on its device."""
+        return model_batch(batch, self.layout, self.dtype)
+
     def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
-        """On the device: add ``noise_std`` Gaussian noise to training batches only."""
+        """On the device: decode the stored states into the drafters' batch, then add
+        ``noise_std`` Gaussian noise to training batches only."""
+        out = self.model_batch(batch)
+        if SLOT_KEY in batch and batch["states"].device.type == "cpu":
+            out = detach_from(out, batch)  # its buffers go back to their worker
+            release(batch)
+        batch = out
         if self.noise_std > 0 and self.trainer is not None and self.trainer.training:
             return add_noise(batch, self.noise_std)
         return batch

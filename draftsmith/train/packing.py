@@ -16,9 +16,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from draftsmith.core.errors import ConfigError
 from draftsmith.core.memory import keep_freed_memory
+from draftsmith.core.readers import open_safetensors
 from draftsmith.core.signals import ignore_first_sigterm
 from draftsmith.dataset import DatasetError, HiddenStatesDataset
+from draftsmith.dataset.sample_io import PHASES
+from draftsmith.dataset.shards import SHARD_FIX
 from draftsmith.drafters.protocol.batch import PAD_DOC_ID
+from draftsmith.train.batch_pool import BatchPool
+from draftsmith.train.batches import fill_row, layout, new_batch
 
 
 def pack(lengths: list[int], row_tokens: int, shuffle_seed: int | None = None) -> list[list[int]]:
@@ -106,14 +111,48 @@ def resolve_aux_layers(layer_ids: list[int], aux_layers: list[int] | None) -> li
     return sorted(aux_layers)
 
 
+def token_counts(
+    ds: HiddenStatesDataset, vocab_size: int, samples: list[int] | None = None
+) -> Tensor:
+    """How often each token id is a loss-masked (predicted) token: long ``[vocab_size]``,
+    over the dataset's samples at positions ``samples`` (all of them when None).
+
+    Reads only ``input_ids``, ``loss_mask`` and ``sample_offsets`` of each shard, never the
+    hidden states.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    wanted = None if samples is None else set(samples)
+    first = 0  # dataset position of the shard's first sample
+    for path in ds.shard_paths:
+        with open_safetensors(path, "shard", SHARD_FIX) as f:
+            keep = f.get_tensor("loss_mask").bool()
+            offsets = f.get_tensor("sample_offsets").tolist()
+            if wanted is not None:
+                for s, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False)):
+                    if first + s not in wanted:
+                        keep[a:b] = False
+            first += len(offsets) - 1
+            ids = f.get_tensor("input_ids").long()[keep]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise DatasetError(
+                f"{path}: token ids span [{ids.min()}, {ids.max()}], "
+                f"outside a vocabulary of {vocab_size}"
+            )
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
 class PackedDataset(Dataset):
-    """Rows of packed samples; item ``r`` is one row, padded to ``row_tokens`` (see module).
+    """Rows of packed samples, in stored form (``batches.py``): item ``r`` is one row
+    ``[T, ...]``; ``__getitems__`` (what a DataLoader asks for) builds a whole batch
+    ``[B, T, ...]`` in place. ``batches.model_batch`` gives the drafters' batch.
 
     Args:
-        ds: the opened dataset; its hidden states come out in ``ds.dtype``.
+        ds: the opened dataset.
         rows: sample indices of each row (from ``pack``).
         row_tokens: T, the row length; a sample longer than T is cut to its first T tokens.
         aux_layers: layer ids that feed the head (default: all tapped layers but the last).
+        pool: batch buffers the loader's workers reuse (``batch_pool.py``); None: fresh ones.
     """
 
     def __init__(
@@ -122,58 +161,34 @@ class PackedDataset(Dataset):
         rows: list[list[int]],
         row_tokens: int,
         aux_layers: list[int] | None = None,
+        pool: BatchPool | None = None,
     ) -> None:
-        self.ds, self.rows, self.row_tokens = ds, rows, row_tokens
+        self.ds, self.rows, self.row_tokens, self.pool = ds, rows, row_tokens, pool
         self.teacher_layer_id = teacher_layer_id(ds.manifest, ds.path)
         self.aux_layer_ids = resolve_aux_layers(ds.layer_ids, aux_layers)
-        self._aux = [ds.layer_ids.index(i) for i in self.aux_layer_ids]
-        self._teacher = ds.layer_ids.index(self.teacher_layer_id)
+        self.layout = layout(ds, row_tokens, self.aux_layer_ids, self.teacher_layer_id)
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, r: int) -> dict[str, Tensor]:
-        t, h, dtype = self.row_tokens, self.ds.hidden_size, self.ds.dtype
-        # The states are written once each (no zero fill first; the padding is zeroed at
-        # the end): at an 8B shape a row is ~100 MB, and each pass over it costs.
-        aux = torch.empty(t, len(self._aux) * h, dtype=dtype)  # [T, n_aux * H]
-        teacher = torch.empty(t, h, dtype=dtype)  # [T, H]
-        input_ids = torch.zeros(t, dtype=torch.long)
-        position_ids = torch.zeros(t, dtype=torch.long)
-        doc_ids = torch.full((t,), PAD_DOC_ID, dtype=torch.long)
-        loss_mask = torch.zeros(t, dtype=torch.bool)
-        start = 0
-        for doc, i in enumerate(self.rows[r]):
-            sample = self.ds[i]
-            n = min(sample["input_ids"].numel(), t - start)
-            span = slice(start, start + n)
-            states = sample["hidden_states"][:n]  # [n, L, H]
-            for k, layer in enumerate(self._aux):  # layer by layer: no gathered copy
-                aux[span, k * h : (k + 1) * h] = states[:, layer]
-            teacher[span] = states[:, self._teacher]
-            input_ids[span] = sample["input_ids"][:n]
-            loss_mask[span] = sample["loss_mask"][:n]
-            position_ids[span] = torch.arange(n)
-            doc_ids[span] = doc
-            start += n
-        aux[start:] = 0
-        teacher[start:] = 0
-        position_ids[start:] = torch.arange(t - start)
-        return {
-            "input_ids": input_ids,
-            "aux_states": aux,
-            "teacher_states": teacher,
-            "position_ids": position_ids,
-            "doc_ids": doc_ids,
-            "loss_mask": loss_mask,
-        }
+        return {k: v[0] for k, v in self.__getitems__([r]).items()}
+
+    def __getitems__(self, rows: list[int]) -> dict[str, Tensor]:
+        """Rows ``rows`` as one stored batch: each sample read straight into it."""
+        self.ds.will_need([i for r in rows for i in self.rows[r]])
+        with PHASES("collate"):
+            batch = new_batch(self.layout, len(rows), self.pool)
+        for b, r in enumerate(rows):
+            fill_row(self.ds, self.layout, batch, b, self.rows[r])
+        return batch
 
 
-def collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Stack rows: each key ``[T, ...]`` -> ``[B, T, ...]``.
-
-    ``default_collate`` stacks straight into shared memory inside a DataLoader worker, which
-    saves the copy that handing a batch to the main process would otherwise make."""
+def collate(items: list[dict[str, Tensor]] | dict[str, Tensor]) -> dict[str, Tensor]:
+    """A batch built whole by ``PackedDataset.__getitems__`` passes as it is; a list of
+    rows is stacked (each key ``[T, ...]`` -> ``[B, T, ...]``)."""
+    if isinstance(items, dict):
+        return items
     return default_collate(items)
 
 

@@ -17,9 +17,11 @@ With W loader workers (``data.num_workers``) the batches of a pass are dealt rou
 batch j (counted from where the pass starts) is read by worker ``j % W``, and torch's
 DataLoader takes one batch from each worker in turn, so the order, and the head, are those
 of one worker or none. Every worker walks the same schedule (from the sidecars); a shard is
-read only by the workers holding some of its batches, and its checksum is computed by the
-one holding its first batch of the pass (a bad shard fails that batch, which the trainer
-gets before any later batch of the shard).
+read only by the workers holding some of its batches. Each sample is checked (xxh3-64) by
+the worker that reads it; an older shard without per-sample checksums is hashed whole, once
+per run, by the worker holding its first batch (a bad one fails that batch, which the
+trainer gets before any later batch of the shard). ``ShardLoader`` (``shard_loader.py``)
+is the DataLoader over it.
 
 Streaming adds the producer (``draftsmith.dataset.stream``): before reading a shard the
 loader asks for it and for the next ones, up to this rank's share of the disk bound, waits
@@ -40,17 +42,20 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from draftsmith.core.console import say
 from draftsmith.dataset import DatasetError
+from draftsmith.dataset.sample_io import PHASES
 from draftsmith.dataset.stream import (
     StreamDir,
     StreamOptions,
     shard_ready,
     sidecar,
 )
-from draftsmith.train.packing import PackedDataset, collate
+from draftsmith.train.batch_pool import BatchPool
+from draftsmith.train.batches import Layout, empty_batch
+from draftsmith.train.packing import PackedDataset
 from draftsmith.train.shard_plan import Pass, ShardPlan, one_shard, shard_seed
 
 
@@ -65,13 +70,19 @@ class ShardBatches(IterableDataset):
         aux_layers: list[int],
         dtype: torch.dtype,
         check_shards: bool,
-        hidden_size: int,
+        layout: Layout,
         current_epoch: Callable[[], int],
         stream: StreamOptions | None = None,
         max_epochs: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, world
-        self.hidden_size, self.current_epoch = hidden_size, current_epoch
+        self.layout = layout  # of the stored batches (the padding batches need it)
+        self.pool: BatchPool | None = None  # each pass's (``prepare``)
+        self.pool_slots = 0  # batches each worker reuses (``ShardLoader`` sets it)
+        # Older shards (sha256 only) are hashed whole once per run, not every epoch: made
+        # here, before any worker forks, so every worker and epoch sees the same flags.
+        self.verified = multiprocessing.Array("b", len(plan.shards), lock=False)
+        self.current_epoch = current_epoch
         self.max_epochs = max_epochs
         self.aux_layers, self.dtype, self.check_shards = aux_layers, dtype, check_shards
         self.stream = stream
@@ -111,6 +122,7 @@ class ShardBatches(IterableDataset):
         only, and the shared counts start at zero."""
         self.start, self.skip = self.skip, 0
         self.shared = Pass(len(self.plan.shards), workers)
+        self.pool = BatchPool(workers, self.pool_slots)
         self._prepared = True
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
@@ -167,21 +179,32 @@ class ShardBatches(IterableDataset):
     def _shard(
         self, index: int, info: dict[str, Any], own: list[int], check: bool
     ) -> Iterator[dict[str, Tensor]]:
-        """Batches ``own`` (ascending) of shard ``index``. ``check``: this reader hashes
-        the shard (it holds the pass's first batch of it)."""
-        ds = one_shard(self.plan.root, info, self.dtype, self.check_shards and check)
-        train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
-        rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
+        """Batches ``own`` (ascending) of shard ``index``. ``check``: this reader holds the
+        pass's first batch of it, so it hashes an older shard (no per-sample checksums)
+        whole, once per run; a newer shard's samples are each checked as they are read."""
+        digests = bool(info.get("sample_xxh3"))
+        at = self._at[index]
+        whole = check and not digests and not self.verified[at]
+        with PHASES("open"):
+            check = self.check_shards and (digests or whole)
+            ds = one_shard(self.plan.root, info, self.dtype, check, self.plan.manifest)
+            train = [i for i, sid in enumerate(ds.ids) if sid not in self.plan.val_ids]
+            rows = [[train[i] for i in row] for row in self.plan.rows(index, info)]
         order = torch.randperm(
             len(rows), generator=torch.Generator().manual_seed(shard_seed(self.plan.seed, index,
                                                                           self.epoch + 1))
         ).tolist()  # fmt: skip
-        packed = PackedDataset(ds, [rows[r] for r in order], self.plan.row_tokens, self.aux_layers)
+        rows = [rows[r] for r in order]
+        packed = PackedDataset(ds, rows, self.plan.row_tokens, self.aux_layers, self.pool)
         bs = self.plan.batch_size
         started = time.monotonic()
-        for b in own:
-            items = [packed[r] for r in range(b * bs, min((b + 1) * bs, len(rows)))]
-            batch = collate(items)
+        for k, b in enumerate(own):
+            if k + 1 < len(own):  # this reader's next batch of the shard: read ahead
+                nxt = own[k + 1]
+                ds.will_need([i for r in packed.rows[nxt * bs : (nxt + 1) * bs] for i in r])
+            batch = packed.__getitems__(list(range(b * bs, min((b + 1) * bs, len(rows)))))
+            if whole and self.check_shards:
+                self.verified[at] = 1  # hashed before its first sample was read
             tokens = int(batch["loss_mask"].numel() - (batch["doc_ids"] < 0).sum())
             self.shared.add(Pass.TOKENS, tokens)
             if b == own[-1]:  # read in full: its file can go before the last step trains
@@ -192,15 +215,7 @@ class ShardBatches(IterableDataset):
 
     def _empty(self) -> dict[str, Tensor]:
         """A batch of padding only: no loss, no gradient; keeps ranks in step."""
-        h, t, b = self.hidden_size, self.plan.row_tokens, self.plan.batch_size
-        return {
-            "input_ids": torch.zeros(b, t, dtype=torch.long),
-            "aux_states": torch.zeros(b, t, len(self.aux_layers) * h, dtype=self.dtype),
-            "teacher_states": torch.zeros(b, t, h, dtype=self.dtype),
-            "position_ids": torch.arange(t).repeat(b, 1),
-            "doc_ids": torch.full((b, t), -1, dtype=torch.long),
-            "loss_mask": torch.zeros(b, t, dtype=torch.bool),
-        }
+        return empty_batch(self.layout, self.plan.batch_size)
 
     def _rank_padding(self, mine: int) -> int:
         """Empty batches this rank adds so that it takes as many steps as the busiest rank."""
@@ -349,49 +364,3 @@ class ShardBatches(IterableDataset):
             f"{s.stats[Pass.WAITED_S] / s.workers:.0f} s waiting for shards; producers: {made:,} "
             f"tokens written in {busy:.0f} s, {idle:.0f} s waiting for the trainer"
         )
-
-
-class ShardLoader(DataLoader):
-    """The DataLoader over ``ShardBatches``; its position goes into checkpoints.
-
-    With ``num_workers`` W >= 1 the batches are read, packed and collated in W worker
-    processes while the steps before train (on a GPU, reading in the training process would
-    stall it); worker ``j % W`` reads batch j and the DataLoader takes them in turn, so any
-    W gives the same batches in the same order (module docstring). ``on_stop`` is called
-    in the training process after an epoch that the policy ends training with (drop)."""
-
-    def __init__(
-        self,
-        batches: ShardBatches,
-        batches_done: Callable[[], int],
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        worker_init_fn: Callable[[int], None] | None = None,
-        on_stop: Callable[[], None] | None = None,
-    ) -> None:
-        if multiprocessing.get_start_method() != "fork":  # the batches hold the trainer's hooks
-            num_workers = 0
-        super().__init__(
-            batches,
-            batch_size=None,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            worker_init_fn=worker_init_fn if num_workers else None,
-        )
-        self.batches_done, self.on_stop = batches_done, on_stop
-
-    def __iter__(self) -> Iterator[Any]:
-        b: ShardBatches = self.dataset  # type: ignore[assignment]
-        b.prepare(max(self.num_workers, 1))  # here, before the workers fork
-        yield from super().__iter__()
-        if b.stream is not None and b.stream.policy == "drop" and self.on_stop is not None:
-            self.on_stop()
-
-    def state_dict(self) -> dict[str, Any]:
-        b: ShardBatches = self.dataset  # type: ignore[assignment]
-        done = self.batches_done()
-        return {"epoch": b.current_epoch(), "batches_done": done, **b.position(done)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        b: ShardBatches = self.dataset  # type: ignore[assignment]
-        b.skip = state["batches_done"]  # the epoch comes back with Lightning's own loop

@@ -65,6 +65,9 @@ class ShardPlan:
     listed: dict[int, dict[str, Any]] | None = None
     """Offline: each shard's manifest entry (a dataset may have no sidecars); None when
     streaming (the sidecars, written as shards arrive)."""
+    manifest: dict[str, Any] | None = None
+    """The dataset's manifest without its shard list: each shard opened for reading takes
+    it instead of parsing manifest.json again (None: it is read)."""
 
     def info(self, index: int) -> dict[str, Any] | None:
         """What is recorded about shard ``index`` (None: not written yet)."""
@@ -77,7 +80,7 @@ class ShardPlan:
         read; a deleted shard's sidecar still has them)."""
         lengths = info.get("sample_tokens")
         if lengths is None:  # written before sidecars recorded lengths: read the header
-            lengths = one_shard(self.root, info).lengths
+            lengths = one_shard(self.root, info, manifest=self.manifest).lengths
         return [n for n, sid in zip(lengths, info["sample_ids"], strict=True)
                 if sid not in self.val_ids]  # fmt: skip
 
@@ -94,6 +97,11 @@ class ShardPlan:
 
 
 def one_shard(
-    root: Path, info: dict[str, Any], dtype: torch.dtype = torch.float32, check: bool = False
+    root: Path,
+    info: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    check: bool = False,
+    manifest: dict[str, Any] | None = None,
 ) -> HiddenStatesDataset:
-    return HiddenStatesDataset(root, dtype, check_shards=check, shard_infos=[info])
+    return HiddenStatesDataset(root, dtype, check_shards=check, shard_infos=[info],
+                               manifest=manifest)  # fmt: skip
