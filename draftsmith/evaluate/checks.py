@@ -15,7 +15,7 @@ from draftsmith.core.readers import open_safetensors
 from draftsmith.core.targets import TargetInfo
 from draftsmith.drafters.headfiles import read as headread
 from draftsmith.drafters.headfiles.directory import HeadError
-from draftsmith.drafters.headfiles.directory.windows import window_note
+from draftsmith.drafters.headfiles.windows import window_note
 
 MAX_K = 16
 REEXPORT = "re-export the head with `draftsmith export`"
