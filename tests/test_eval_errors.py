@@ -101,7 +101,7 @@ def test_time_limit_skips_baselines_that_would_overrun(
 
     ran, seconds = [], {}
 
-    def engine_run(cfg, model, method, prompts, kwargs):
+    def engine_run(cfg, model, method, prompts, kwargs, *args, **options):
         ran.append(method.name)
         time.sleep(seconds.get(method.name, 0.3))
         return [], {(d, 0.0): [[1, 2, 3]] * len(p) for d, p in prompts.items()}, {}
