@@ -173,3 +173,46 @@ def test_eval_reports_tokens_per_step_by_context_length(tmp_path, make_tiny_llam
         assert f"{runs[('ngram', context)]['tokens_per_step']:.2f} (k=2)" in row
     assert (out / "tokens_per_step_by_context.png").stat().st_size > 10_000
     assert "tokens_per_step_by_context.png" in report
+
+
+def test_the_replay_scores_the_reply_rows_only_and_counts_as_before():
+    """Slicing the target's logits to the reply (bounded memory at long contexts) leaves
+    the replay's counts what scoring every row gives."""
+    import torch
+
+    from draftsmith.evaluate.expected import Expected, acceptance, replay
+    from draftsmith.evaluate.replay import replay_replies
+
+    vocab, n = 11, 40
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(n + 8, vocab, generator=gen) * 3
+
+    class Target:  # row i of the logits depends on the position only
+        def forward(self, tokens, layer_ids, keep=0):
+            logits = table[: tokens.numel()]
+            return (logits[-keep:] if keep else logits), torch.zeros(tokens.numel(), 1, 4)
+
+        def continue_greedy(self, tokens, count):
+            return torch.cat([tokens, torch.randint(vocab, (count,), generator=gen)])
+
+    class Replica:
+        layer_ids = [1]
+
+        def draft_logits(self, tokens, states, k):
+            for j in range(k):
+                yield table[j + 1 : j + 1 + tokens.numel()] + 0.5 * j
+
+    prompt = torch.randint(vocab, (25,), generator=gen).tolist()
+    reply = torch.randint(vocab, (12,), generator=gen).tolist()
+    got = replay_replies(Replica(), Target(), [prompt], [reply], 1.0, [3], greedy=False)[3]
+    tokens = torch.tensor(prompt + reply)
+    rows = tokens.numel()
+    accept, posterior = torch.zeros(rows, 3), torch.zeros(rows, 3)
+    for j, draft in enumerate(Replica().draft_logits(tokens, None, 3)):
+        accept[:, j], posterior[:, j] = acceptance(table[:rows], draft, tokens, j,
+                                                   1.0, False)  # fmt: skip
+    want = Expected(accepted_per_pos=[0.0] * 3, expected_per_pos=[0.0] * 3)
+    want.add(replay(accept, posterior, len(prompt) - 1, rows))
+    assert got.num_drafts == pytest.approx(want.num_drafts) and want.num_drafts > 0
+    assert got.expected_per_pos == pytest.approx(want.expected_per_pos)
+    assert got.accepted_per_pos == pytest.approx(want.accepted_per_pos)
