@@ -216,3 +216,38 @@ def test_the_replay_scores_the_reply_rows_only_and_counts_as_before():
     assert got.num_drafts == pytest.approx(want.num_drafts) and want.num_drafts > 0
     assert got.expected_per_pos == pytest.approx(want.expected_per_pos)
     assert got.accepted_per_pos == pytest.approx(want.accepted_per_pos)
+
+
+def test_by_context_table_flags_a_gap_and_the_plot_skips_simulated_rows(tmp_path):
+    from draftsmith.evaluate.context import markdown_lines, plot_by_context
+
+    def run(method, context, tps, k=3, **more):
+        return {"method": method, "context": context, "k": k, "temperature": 0.0,
+                "dataset": f"s/ctx{context}", "tokens_per_step": tps,
+                "acceptance_length": tps, **more}  # fmt: skip
+
+    gap = {"served_per_draft": 0.5, "expected_per_draft": 1.0, "relative_gap": -0.5,
+           "flag": "gap"}  # fmt: skip
+    same = {"served_per_draft": 1.0, "expected_per_draft": 1.0, "relative_gap": 0.0, "flag": None}
+    results = {
+        "context_buckets": [
+            {"dataset": "s/ctx1024", "bucket": 1024, "tokens": 1024, "prompts": 4},
+            {"dataset": "s/ctx8192", "bucket": 8192, "tokens": 8088, "prompts": 3},
+        ],
+        "runs": [
+            run("eagle3", 1024, 2.0, expected=same),
+            run("eagle3", 1024, 1.8, k=1, derived_from_k=3),  # derived: not the row shown
+            run("eagle3", 8088, 1.5, expected=gap),
+            run("ngram", 1024, 1.2),
+            run("ngram", 8088, 1.1),
+        ],
+    }
+    lines = "\n".join(markdown_lines(results, "eagle3"))
+    assert "| 1,024 (1,024 bucket) | 4 | 2.00 (k=3) | 2.00 | +0.0% | 1.20 (k=3) |" in lines
+    # Expected tokens per step: 1.5 x (1 + 1.0) / (1 + 0.5) = 2.0, the gap flagged.
+    assert "| 8,088 (8,192 bucket) | 3 | 1.50 (k=3) | 2.00 | -50.0% (gap) | 1.10 (k=3) |" in lines
+    assert "suffix" not in lines  # not measured: no column
+    assert plot_by_context(results["runs"], "eagle3", "(test)", tmp_path / "p.png")
+    simulated = [run("eagle3", 1024, None)]
+    assert not plot_by_context(simulated, "eagle3", "(test)", tmp_path / "q.png")
+    assert markdown_lines({"runs": results["runs"]}, "eagle3") == []  # no buckets: no section

@@ -180,8 +180,8 @@ def markdown_lines(results: dict, method: str | None) -> list[str]:
 def plot_by_context(runs: list[dict], method: str, title: str, path: Path) -> bool:
     """Lines: tokens per step against context tokens, the head served and expected, ngram
     and suffix (each at its largest k)."""
-    head = by_context(runs, method)
-    if len(head) < 1:
+    head = {x: r for x, r in by_context(runs, method).items() if r["tokens_per_step"]}
+    if not head:  # simulated rows have no tokens per step
         return False
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -192,7 +192,7 @@ def plot_by_context(runs: list[dict], method: str, title: str, path: Path) -> bo
     if want:
         ax.plot(*zip(*want, strict=True), "s--", mfc="none", label=f"{method} (expected)")
     for name, mark in (("ngram", "x:"), ("suffix", "+-.")):
-        rows = by_context(runs, name)
+        rows = {x: r for x, r in by_context(runs, name).items() if r["tokens_per_step"]}
         if rows:
             bx = sorted(rows)
             ax.plot(bx, [rows[x]["tokens_per_step"] for x in bx], mark, ms=9, label=name)
