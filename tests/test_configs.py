@@ -13,6 +13,7 @@ from draftsmith.core.errors import ConfigError
 from draftsmith.core.targets import validate_layer_ids
 from draftsmith.evaluate.checks import check_k
 from draftsmith.evaluate.config import EvalConfig
+from draftsmith.evaluate.context import check_buckets
 from draftsmith.extract.config import ExtractConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -42,6 +43,7 @@ def test_eval_configs_parse(path):
     cfg = parse_config(EvalConfig, ["--config", str(path)], prog="test")
     assert isinstance(cfg, EvalConfig) and cfg.datasets
     check_k(cfg.k)
+    check_buckets(cfg.datasets, cfg.context_buckets)
 
 
 def test_overrides_apply_after_the_file():

@@ -11,7 +11,9 @@ Built-in sets: ``mt_bench`` (80 first turns), ``humaneval`` (164 problems) and
 ``sharegpt[:full|:code][@train|@heldout]`` (de-duplicated ShareGPT first turns; with
 ``:full`` whole conversations, with ``:code`` the first turns about programming;
 ``@heldout`` is a fixed 2% slice training never sees; see
-:mod:`draftsmith.conversations.sharegpt`). Prompt-only sets need the target to write the
+:mod:`draftsmith.conversations.sharegpt`) and ``sharegpt:long[@train|@heldout]`` (whole
+conversations with the corpus's chunks joined back, for long contexts; see
+:mod:`draftsmith.conversations.longctx`). Prompt-only sets need the target to write the
 replies.
 
 A bad row either stops loading with a one-line :class:`DataError` naming the file, row
@@ -26,7 +28,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from draftsmith.conversations import prompt_sets, sharegpt
+from draftsmith.conversations import longctx, prompt_sets, sharegpt
 from draftsmith.conversations.rows import (
     Conversation,
     DataError,
@@ -40,7 +42,7 @@ from draftsmith.conversations.rows import (
 
 FORMS = (
     "a .json/.jsonl file (optionally .gz), hf:<hub id or directory>[@split], mt_bench, "
-    "humaneval, sharegpt[:full|:code][@train|@heldout]"
+    "humaneval, sharegpt[:full|:code|:long][@train|@heldout]"
 )
 
 
@@ -66,7 +68,9 @@ def load_conversations(
         raise DataError(f"limit: {limit} is negative; give a number of conversations >= 0.")
 
     source = spec
-    if spec.partition("@")[0].partition(":")[0] == "sharegpt":
+    if longctx.is_long(spec):
+        rows = longctx.rows(spec, skips, bad_rows)
+    elif spec.partition("@")[0].partition(":")[0] == "sharegpt":
         full, _split = sharegpt.parse_spec(spec)
         if require_assistant and not full:
             raise _prompts_only(spec, "; or use sharegpt:full for its own replies")

@@ -30,9 +30,16 @@ class EvalConfig:
     datasets: list[str] | str = field(default_factory=lambda: ["mt_bench", "humaneval"])
     """Prompt sets: mt_bench, humaneval, sharegpt@heldout (ShareGPT first turns training on
     `sharegpt` never sees), JSON/JSONL files, `hf:<id or dir>[@split]`; the first user turn
-    of each row is the prompt."""
+    of each row is the prompt. sharegpt:long@heldout: long multi-turn conversations cut to
+    each of `context_buckets`."""
     limit: int | None = None
-    """Use at most this many prompts per dataset."""
+    """Use at most this many prompts per dataset (per context bucket for a long set)."""
+    context_buckets: list[int] = field(default_factory=list)
+    """Prompt lengths, in tokens, at which to measure acceptance by context length: each
+    `sharegpt:long` dataset (long ShareGPT conversations, chunks joined) becomes one dataset
+    per bucket, `<spec>/ctx<tokens>`, its prompts cut to that many tokens and ending on a
+    user turn. A bucket past the target's limit (max_position_embeddings - max_tokens - 8)
+    is cut to it. [] (the default): no long set. E.g. [1024, 2048, 4096, 8192]."""
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     """Sampling temperatures, each measured on the same prompts (chat is served sampled); the
     lossless check uses the greedy (0.0) runs."""

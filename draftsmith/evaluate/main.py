@@ -35,12 +35,22 @@ from draftsmith.evaluate.checks import (
 from draftsmith.evaluate.config import EvalConfig
 
 
-def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
-    """Per dataset: sample ids, chat messages (system + first user turn) and prompt ids."""
+def load_prompts(cfg: EvalConfig, tokenizer, target=None) -> tuple[dict, dict, dict, list]:
+    """Per dataset: sample ids, chat messages (system + first user turn) and prompt ids; a
+    long set gives one dataset per context bucket (``context.bucket_prompts``), and their
+    results.json entries."""
+    from draftsmith.conversations.longctx import is_long
     from draftsmith.conversations.template import render_prompt
+    from draftsmith.evaluate import context
 
-    ids, chats, tokens = {}, {}, {}
+    ids, chats, tokens, buckets = {}, {}, {}, []
     for spec in cfg.datasets:
+        if is_long(spec):
+            more = context.bucket_prompts(cfg, spec, tokenizer, target)
+            for into, got in zip((ids, chats, tokens), more, strict=False):
+                into.update(got)
+            buckets += more[3]
+            continue
         convs = load_many([spec], require_assistant=False, skips=SkipLog(), limit=cfg.limit)
         if not convs:
             raise DataError(f"datasets: {spec!r} holds no prompt")
@@ -51,7 +61,7 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> tuple[dict, dict, dict]:
         ids[spec] = [c.id for c in convs]
         chats[spec] = msgs
         tokens[spec] = [render_prompt(tokenizer, m, kwargs=cfg.chat_template_kwargs) for m in msgs]
-    return ids, chats, tokens
+    return ids, chats, tokens, buckets
 
 
 def device_name() -> str:
@@ -84,7 +94,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
     if cfg.draft_model and not Path(cfg.draft_model, "config.json").is_file():
         raise HeadError(f"draft_model: {cfg.draft_model} is not a model directory.")
     tokenizer = load_tokenizer(target.path)
-    sample_ids, chats, prompts = load_prompts(cfg, tokenizer)
+    sample_ids, chats, prompts, buckets = load_prompts(cfg, tokenizer, target)
     overlap = None
     if cfg.train_data:
         from draftsmith.evaluate.overlap import check_overlap, user_turn_ids
@@ -186,6 +196,9 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
             if rec["counters"] and rec["k"] == max(ks):
                 records += [runs.derive_smaller_k(rec, k) for k in ks if k < rec["k"]]
     runs.add_speedups(records)
+    from draftsmith.evaluate.context import annotate
+
+    annotate(records, buckets)
     generations = [
         {"dataset": d, "method": m.name, "k": m.k, "temperature": t, "id": i, "token_ids": ids}
         for (m, d, t), outs in outputs.items()
@@ -211,6 +224,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict, list[dict]]:
         "overlap": overlap,
         "skipped": skipped,
         "sampling_check": sampling,
+        "context_buckets": buckets,
         "runs": records,
     }, generations
 
@@ -241,6 +255,9 @@ def check_ranges(cfg: EvalConfig) -> None:
     from draftsmith.evaluate.runs import check_draft_sample_method
 
     check_draft_sample_method(cfg.draft_sample_method)
+    from draftsmith.evaluate.context import check_buckets
+
+    check_buckets(cfg.datasets, cfg.context_buckets)
     if cfg.sampling_check and cfg.mode != "offline":
         raise ConfigError("sampling_check: true needs mode: offline; turn one of them off")
     if cfg.sampling_check_tokens < 2:

@@ -137,10 +137,18 @@ def _speedup_bars(ax, head: dict, others: dict[str, dict], method: str) -> None:
     ax.legend(fontsize=8)
 
 
+def plot_by_context(runs: list[dict], method: str, title: str, path: Path) -> bool:
+    """Tokens per step against context length (``context.plot_by_context``)."""
+    from draftsmith.evaluate.context import plot_by_context as plot
+
+    return plot(runs, method, title, path)
+
+
 PLOTS = {  # file name: plot(runs, method, title suffix, path) -> written
     "acceptance_per_position.png": plot_per_position,
     "acceptance_length_vs_k.png": plot_length_vs_k,
     "speedup_vs_k.png": plot_speedup_vs_k,
+    "tokens_per_step_by_context.png": plot_by_context,
 }
 
 

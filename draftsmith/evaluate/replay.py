@@ -36,16 +36,18 @@ class TargetReplica:
         self.model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
 
     @torch.no_grad()
-    def forward(self, tokens: Tensor, layer_ids: list[int]) -> tuple[Tensor, Tensor]:
-        """tokens [L] -> (logits [L, V], states [L, len(layer_ids), H]); id ``i``: the
-        residual stream after ``i`` layers, id N the last layer's output before the norm."""
+    def forward(self, tokens: Tensor, layer_ids: list[int], keep: int = 0) -> tuple[Tensor, Tensor]:
+        """tokens [L] -> (logits [keep or L, V] of the last `keep` positions (0: all),
+        states [L, len(layer_ids), H]); id ``i``: the residual stream after ``i`` layers, id
+        N the last layer's output before the norm. Logits of a long prompt are [L, V]: at 8k
+        tokens of a 49k vocabulary 1.6 GB, so the replay keeps the reply's rows only."""
         layers = self.model.model.layers
         captured = {}
         hook = layers[-1].register_forward_hook(
             lambda _m, _i, o: captured.__setitem__("last", o[0] if isinstance(o, tuple) else o)
         )
         try:
-            out = self.model(tokens[None], output_hidden_states=True)
+            out = self.model(tokens[None], output_hidden_states=True, logits_to_keep=keep)
         finally:
             hook.remove()
         n = len(layers)  # hidden_states[n] is after the final norm: take the hook's instead
@@ -55,7 +57,7 @@ class TargetReplica:
     @torch.no_grad()
     def continue_greedy(self, tokens: Tensor, count: int) -> Tensor:
         """tokens [L] followed by the target's ``count`` greedy next tokens (past any EOS)."""
-        out = self.model(tokens[None], use_cache=True)
+        out = self.model(tokens[None], use_cache=True, logits_to_keep=1)
         new = []
         for _ in range(count):
             new.append(out.logits[0, -1].argmax())
@@ -74,21 +76,28 @@ def replay_replies(
     greedy: bool,
 ) -> dict[int, Expected]:
     """The replay of every (prompt, reply) at ``temperature``, per k, summed: one target
-    forward per reply, the replica once per k (a block drafter's drafts depend on k)."""
+    forward per reply, the replica once per k (a block drafter's drafts depend on k).
+
+    Only the rows from the last prompt token on are scored (a chain starts there), so the
+    target's logits are the reply's: memory grows with the prompt through the target's and
+    the replica's states and one draft position's [L, V] logits at a time."""
     totals = {k: Expected(accepted_per_pos=[0.0] * k, expected_per_pos=[0.0] * k) for k in ks}
     for prompt, reply in zip(prompts, replies, strict=True):
         tokens = torch.tensor(list(prompt) + list(reply))
         if temperature == 0.0:
             tokens = target.continue_greedy(tokens, max(ks))
-        logits, states = target.forward(tokens, replica.layer_ids)
+        start = len(prompt) - 1  # the first chain's stream: rows before it are never read
+        logits, states = target.forward(tokens, replica.layer_ids, keep=tokens.numel() - start)
+        tail = tokens[start:]
         for k in ks:
-            accept, posterior = torch.zeros(tokens.numel(), k), torch.zeros(tokens.numel(), k)
+            accept, posterior = torch.zeros(tail.numel(), k), torch.zeros(tail.numel(), k)
             for j, draft in enumerate(replica.draft_logits(tokens, states, k)):
                 accept[:, j], posterior[:, j] = acceptance(
-                    logits, draft, tokens, j, temperature, greedy
+                    logits, draft[start:], tail, j, temperature, greedy
                 )
+                del draft  # [L, V]: one draft position's logits alive at a time
             served = len(prompt) + len(reply)
-            totals[k].add(replay(accept, posterior, len(prompt) - 1, served))
+            totals[k].add(replay(accept, posterior, 0, served - start))
     return totals
 
 

@@ -242,6 +242,10 @@ def markdown(results: dict, plots: list[str]) -> str:
             if len(mismatches) > MAX_MISMATCHES:
                 lines.append(f"{run}: … and {len(mismatches) - MAX_MISMATCHES} more")
     lines += sampling_lines(results)
+    from draftsmith.evaluate.context import markdown_lines
+    from draftsmith.evaluate.plots import drafter
+
+    lines += markdown_lines(results, drafter(results))
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.removesuffix('.png').replace('_', ' ')}]({p})" for p in plots]
