@@ -9,6 +9,7 @@ import yaml
 
 from draftsmith.dataset import open_dataset
 from draftsmith.pipelines import curve
+from draftsmith.train.data import train_tokens
 from draftsmith.train.packing import split_samples
 
 
@@ -47,7 +48,7 @@ def test_train_tokens_count_the_samples_that_trained(tmp_path, tiny_dataset):
     (stage / "stage.yaml").write_text(yaml.safe_dump({"data": data}))
     lengths = open_dataset(tiny_dataset).lengths
     train, _ = split_samples(len(lengths), 0.25, 3)
-    assert curve.train_tokens(stage) == sum(lengths[i] for i in train[:5])
+    assert train_tokens(stage) == sum(lengths[i] for i in train[:5])
     data.pop("max_train_samples")
     (stage / "stage.yaml").write_text(yaml.safe_dump({"data": data}))
-    assert curve.train_tokens(stage) == sum(lengths[i] for i in train)
+    assert train_tokens(stage) == sum(lengths[i] for i in train)

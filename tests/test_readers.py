@@ -428,7 +428,10 @@ ALLOWED = {
     ("bench/extract.py", "from_pretrained"): "transformers' forward, the benchmark's baseline",
     ("train/checkpoints.py", "load_file"): "its own wrapper of readers.read_torch",
     ("train/main.py", "load_file"): "checkpoints.load_file: readers.read_torch",
-    ("evaluate/expected.py", "from_pretrained"): "the target's forward: expected acceptance",
+    ("evaluate/replay.py", "from_pretrained"): "the target's forward: expected acceptance",
+    ("bench/device_train.py", "load_file"): "the benchmark's own exported heads, compared",
+    ("bench/planes.py", "json.loads(file)"): "the benchmark reads the shards it compresses",
+    ("bench/planes.py", "safe_open"): "the benchmark reads the shards it compresses",
     ("core/outputs.py", "json.loads(file)"): "a probe of whose a file is: unreadable is not ours",
 }
 

@@ -204,7 +204,7 @@ def test_a_dataset_of_the_last_layer_alone_feeds_no_aux_states(tmp_path):
     dm = StatesDataModule(str(tmp_path), row_tokens=8, val_fraction=0.0, num_workers=0)
     assert dm.aux_layer_ids == [] and dm.teacher_layer_id == 8
     packed = dm.train_dataloader().dataset
-    item, first = packed[0], samples[packed.rows[0][0]]["hidden_states"]  # [t, 1, H]
+    item, first = decoded(packed, packed[0]), samples[packed.rows[0][0]]["hidden_states"]
     assert item["aux_states"].shape == (8, 0)
     assert torch.equal(item["teacher_states"][: len(first)], first[:, 0])
 
