@@ -364,14 +364,18 @@ class StatesDataModule(pl.LightningDataModule):
         """The drafters' batch from a loader's (stored) batch, on its device."""
         return model_batch(batch, self.layout, self.dtype)
 
+    def decoded(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The drafters' batch; a pooled host batch's buffers go back to their worker."""
+        out = self.model_batch(batch)
+        if SLOT_KEY in batch and batch["states"].device.type == "cpu":
+            out = detach_from(out, batch)
+            release(batch)
+        return out
+
     def on_after_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
         """On the device: decode the stored states into the drafters' batch, then add
         ``noise_std`` Gaussian noise to training batches only."""
-        out = self.model_batch(batch)
-        if SLOT_KEY in batch and batch["states"].device.type == "cpu":
-            out = detach_from(out, batch)  # its buffers go back to their worker
-            release(batch)
-        batch = out
+        batch = self.decoded(batch)
         if self.noise_std > 0 and self.trainer is not None and self.trainer.training:
             return add_noise(batch, self.noise_std)
         return batch

@@ -174,7 +174,10 @@ class DraftModule(pl.LightningModule):
 
     def on_before_batch_transfer(self, batch: dict[str, Tensor], dataloader_idx: int) -> Any:
         """Sequence parallelism: only this rank's share of the states moves to the device."""
-        return batch if self.sequence_shard is None else self.sequence_shard.take(batch)
+        if self.sequence_shard is None:
+            return batch
+        decode = getattr(self.trainer.datamodule, "decoded", None)  # stored -> drafters' batch
+        return self.sequence_shard.take(decode(batch) if decode else batch)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, out = self.drafter.loss(self, batch)
