@@ -309,7 +309,7 @@ def test_missing_file_lists_accepted_forms(tmp_path):
     message = str(info.value)
     assert "nope.jsonl does not exist" in message
     assert "hf:" in message and "mt_bench" in message and "humaneval" in message
-    assert "sharegpt[:full|:code][@train|@heldout]" in message
+    assert "sharegpt[:full|:code|:long][@train|@heldout]" in message
     with pytest.raises(DataError, match="does not exist"):
         load("mt-bench")  # a typo of a built-in is not silently a file
 

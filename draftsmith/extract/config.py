@@ -22,9 +22,10 @@ class ExtractConfig:
     """Target: a Hugging Face model directory, a hub id, or an embedded name (smollm2-135m)."""
     data: list[str] | str = field(default_factory=lambda: ["self:64"])
     """Sources, in order: JSON/JSONL files (ShareGPT or OpenAI shape), `hf:<id or dir>[@split]`,
-    `mt_bench`, `humaneval`, `sharegpt[:full][@train|@heldout]` (ShareGPT first turns, or
-    whole conversations with `:full`; `@heldout` is a fixed 2% slice), or `self:N` (N prompts
-    the target writes itself)."""
+    `mt_bench`, `humaneval`, `sharegpt[:full|:code|:long][@train|@heldout]` (ShareGPT first
+    turns; whole conversations with `:full`; programming first turns with `:code`; whole
+    conversations with their chunks joined, for long contexts, with `:long`; `@heldout` is a
+    fixed 2% slice), or `self:N` (N prompts the target writes itself)."""
     output: str = "outputs/extract"
     """Dataset directory; re-running the same command resumes it. A file, or a non-empty
     directory extract did not write, is refused (see `overwrite`)."""
