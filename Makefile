@@ -19,7 +19,7 @@ ifdef VERBOSE
 export DRAFTSMITH_VERBOSE := 1
 endif
 
-.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget study-eagle31 study-warmstart bench-extract bench-train bench-loader bench-gpu device-wheels clean
+.PHONY: setup test lint demo pipeline extract train export eval study study-levers study-scaling study-budget study-eagle31 study-warmstart study-longctx bench-extract bench-train bench-loader bench-gpu device-wheels clean
 
 setup: $(STAMP)
 
@@ -83,6 +83,10 @@ study-budget: setup
 # EAGLE-3.0 against 3.1 at the demo's budget (docs/head-quality.md).
 study-eagle31: setup
 	$(PY) -m draftsmith.cli study --config configs/study/smollm2-eagle31.yaml
+
+# Long context: heads trained on short rows, long rows and with a window, served at 1k-8k.
+study-longctx: setup
+	$(PY) -m draftsmith.cli study --config configs/study/smollm2-longctx.yaml
 
 # Warm start: the demo's head (written as a published EAGLE head) fine-tuned on a code mix,
 # against a head trained from scratch on it; the starting head measured as it is.

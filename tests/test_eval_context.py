@@ -251,3 +251,35 @@ def test_by_context_table_flags_a_gap_and_the_plot_skips_simulated_rows(tmp_path
     simulated = [run("eagle3", 1024, None)]
     assert not plot_by_context(simulated, "eagle3", "(test)", tmp_path / "q.png")
     assert markdown_lines({"runs": results["runs"]}, "eagle3") == []  # no buckets: no section
+
+
+def test_a_study_tabulates_each_points_head_by_context_beside_the_baselines():
+    from draftsmith.evaluate.context import figures_by_context
+    from draftsmith.pipelines.study import context_table
+
+    def run(method, context, tps, temperature=0.0, **more):
+        return {"method": method, "context": context, "k": 3, "temperature": temperature,
+                "dataset": f"s/ctx{context}", "tokens_per_step": tps,
+                "acceptance_length": tps, **more}  # fmt: skip
+
+    same = {"served_per_draft": 0.5, "expected_per_draft": 0.5}
+    buckets = [{"dataset": "s/ctx1024", "bucket": 1024, "tokens": 1024, "prompts": 3},
+               {"dataset": "s/ctx8192", "bucket": 8192, "tokens": 7928, "prompts": 3}]  # fmt: skip
+    short = {"context_buckets": buckets, "runs": [
+        run("eagle3", 1024, 1.5, expected=same), run("eagle3", 7928, 1.2, expected=same),
+        run("eagle3", 1024, 9.0, temperature=1.0),  # a sampled run: not the greedy table's
+        run("ngram", 1024, 1.3), run("ngram", 7928, 1.4)]}  # fmt: skip
+    less = {"served_per_draft": 0.2, "expected_per_draft": 0.5}  # served less than expected
+    windowed = {"context_buckets": buckets, "runs": [
+        run("eagle3", 1024, 1.5, expected=same),
+        run("eagle3", 7928, 1.2, expected=less)]}  # fmt: skip
+    rows = [{"point": "short", "by_context": figures_by_context(short, "eagle3")},
+            {"point": "window", "by_context": figures_by_context(windowed, "eagle3")},
+            {"point": "failed", "error": "boom"}]  # fmt: skip
+    text = context_table(rows)
+    assert "| point | 1,024 | 7,928 | last / first |" in text
+    assert "| short | 1.500 (1.500) | 1.200 (1.200) | 0.800 |" in text
+    # The window's expected: 1.2 x (1 + 0.5) / (1 + 0.2) = 1.5, where vLLM served 1.2.
+    assert "| window | 1.500 (1.500) | 1.200 (1.500) | 0.800 |" in text
+    assert "| ngram | 1.300 | 1.400 | 1.077 |" in text and "suffix" not in text
+    assert context_table([{"point": "plain", "head_tokens_per_step": 1.2}]) == ""

@@ -121,6 +121,45 @@ def test_states_equal_transformers_without_regeneration(tmp_path, tiny_model_dir
         assert ds[i]["loss_mask"].int().tolist() == ref.loss_mask
 
 
+def test_a_sample_longer_than_an_engine_step_is_stored_whole(tmp_path, tiny_model_dir, tokenizer):
+    # vLLM prefills a prompt longer than its step budget in chunks (chunked prefill): a long
+    # sample's states come from several engine steps and must still be stored whole, each
+    # position the one transformers computes.
+    notes = " ".join(f"Note {k}: the shipment left depot {k % 7} on day {k}." for k in range(40))
+    chat = {
+        "messages": [
+            {
+                "role": "user",
+                "content": f"Read these notes, then tell me which day came last. {notes}",
+            },
+            {"role": "assistant", "content": "Day 39 came last: the shipment left depot 4."},
+        ]
+    }
+    data = write_jsonl(tmp_path / "long.jsonl", [chat])
+    out = tmp_path / "ds"
+    step = 64
+    proc = extract(
+        [
+            f"--model={tiny_model_dir}",
+            f"--data=[{data}]",
+            f"--output={out}",
+            "--dtype=float32",
+            "--max_length=2047",
+            f"--engine.max_num_batched_tokens={step}",
+            "--engine.max_num_seqs=4",
+            "--verify=1",
+        ]
+    )
+    assert "verify: 1 samples" in proc.stdout
+    ds = open_dataset(out)
+    ref = render_conversation(tokenizer, chat["messages"])
+    assert len(ref.input_ids) > 6 * step  # at least seven engine steps of prefill
+    assert ds[0]["input_ids"].tolist() == ref.input_ids  # whole: nothing cut
+    assert ds[0]["loss_mask"].int().tolist() == ref.loss_mask
+    report = verify_dataset(str(out), 1)
+    assert report.ok and all(c.relative < 1e-4 for c in report.layers), report.text()
+
+
 def test_repair_extracts_exactly_the_corrupt_shard_again(tmp_path, tiny_model_dir):
     """A byte flipped in one shard: reading it is refused in one line naming the repair
     command; `--output DIR --repair true` alone (the settings come from the manifest) writes

@@ -134,6 +134,28 @@ def expected_tokens_per_step(run: dict) -> float | None:
     return tps * (1 + want) / (1 + got)
 
 
+def figures_by_context(results: dict, method: str) -> dict[str, dict[int, dict]]:
+    """At the lowest temperature: ``{"head" | "ngram" | "suffix": {context tokens:
+    {"tokens_per_step", "expected_tokens_per_step", "k"}}}`` (what a study tabulates)."""
+    if not results.get("context_buckets") or not results.get("runs"):
+        return {}
+    coolest = min(r["temperature"] for r in results["runs"])
+    runs = [r for r in results["runs"] if r["temperature"] == coolest]
+    out: dict[str, dict[int, dict]] = {}
+    for name, m in (("head", method), ("ngram", "ngram"), ("suffix", "suffix")):
+        found = by_context(runs, m)
+        if found:
+            out[name] = {
+                tokens: {
+                    "tokens_per_step": r["tokens_per_step"],
+                    "expected_tokens_per_step": expected_tokens_per_step(r),
+                    "k": r["k"],
+                }
+                for tokens, r in found.items()
+            }
+    return out
+
+
 def _f(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 

@@ -36,6 +36,8 @@ class Command:
     - ``engines``: the parsed config -> (engines it starts, how many a time limit may skip),
       for the pipeline's time budget;
     - ``train_tokens``: a finished stage's directory -> the tokens that trained the head;
+    - ``by_context``: (an eval's results.json, its head method) -> tokens per step per
+      context bucket of the head (served and expected), ngram and suffix;
     - ``target``: (the stage's section, the target's ``TargetInfo``) -> refuse, in one line,
       what the target cannot do, before any stage runs."""
 
@@ -84,6 +86,7 @@ COMMANDS = {
             "target": "draftsmith.evaluate.checks:check_section_target",
             "summary": "draftsmith.evaluate.report:summary_of",
             "engines": "draftsmith.evaluate.runs:engine_count",
+            "by_context": "draftsmith.evaluate.context:figures_by_context",
         },
     ),  # fmt: skip
     "pipeline": Command(

@@ -132,7 +132,8 @@ def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict
     results = Path(stages.get("eval", {}).get("dir", ""), "results.json")
     if results.is_file():
         fix = f"delete {results.parent} to evaluate again"
-        for run_ in read_json(results, "stage record", fix, keys=("runs",))["runs"]:
+        record = read_json(results, "stage record", fix, keys=("runs",))
+        for run_ in record["runs"]:
             if run_["dataset"] != cfg.dataset or run_["k"] != cfg.k:
                 continue
             prefix = "head" if run_["method"] in drafters.head_methods() else run_["method"]
@@ -141,7 +142,49 @@ def point_row(name: str, overrides: dict, state: dict, cfg: StudyConfig) -> dict
             row[f"{prefix}_per_position"] = run_["per_position"]
             if run_.get("draft_vocab_coverage"):
                 row["draft_vocab_coverage"] = run_["draft_vocab_coverage"]["covered"]
+        method = (record.get("config") or {}).get("method")
+        if method and (figures := COMMANDS["eval"].hook("by_context")(record, method)):
+            row["by_context"] = figures
     return row
+
+
+def context_table(rows: list[dict[str, Any]]) -> str:
+    """Tokens per step per context bucket: each point's head served (expected in brackets,
+    its drafts replayed in torch), then ngram and suffix from the first point that ran them."""
+    buckets = sorted(
+        {int(t) for r in rows for f in (r.get("by_context") or {}).values() for t in f}
+    )
+    if not buckets:
+        return ""
+    lines = [
+        "By context length (prompt tokens), tokens per step served (expected):",
+        "",
+        "| point | " + " | ".join(f"{t:,}" for t in buckets) + " | last / first |",
+        "|---|" + "---|" * (len(buckets) + 1),
+    ]
+
+    def line(name: str, figures: dict) -> str:
+        cells, served = [], []
+        for t in buckets:
+            f = figures.get(t) or figures.get(str(t))
+            if f is None:
+                cells.append("–")
+                continue
+            served.append(f["tokens_per_step"])
+            more = f.get("expected_tokens_per_step")
+            cells.append(_fmt(f["tokens_per_step"]) + (f" ({more:.3f})" if more else ""))
+        ratio = served[-1] / served[0] if len(served) > 1 and served[0] else None
+        return f"| {name} | " + " | ".join(cells) + f" | {_fmt(ratio)} |"
+
+    for r in rows:
+        if (r.get("by_context") or {}).get("head"):
+            lines.append(line(r["point"], r["by_context"]["head"]))
+    for method in ("ngram", "suffix"):
+        figures = next((r["by_context"][method] for r in rows
+                        if method in (r.get("by_context") or {})), None)  # fmt: skip
+        if figures:
+            lines.append(line(method, figures))
+    return "\n".join(lines)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -222,6 +265,8 @@ def _main(args: list[str] | None) -> int:
             rows.append({"point": name, "overrides": overrides, "error": str(err)[:200]})
         write_json_atomic(out / "study.json", {"config": cfg.__dict__, "rows": rows})
     text = table(rows, cfg)
+    if by_context := context_table(rows):
+        text += "\n\n" + by_context
     if cfg.curve:
         for row in rows:
             if "train" in row.get("dirs", {}):
