@@ -486,6 +486,40 @@ def test_shard_order_gives_the_same_batches_with_any_number_of_workers(tmp_path)
         assert_same_batches(batches(loader), reference)  # the next pass is whole again
 
 
+def test_shard_order_workers_fill_buffers_made_once_before_they_fork(tmp_path, monkeypatch):
+    """The shard-order loader starts its workers again every pass; they inherit batch
+    buffers the training process made and touched once, and fill them again once released,
+    so no pass of theirs makes shared memory, and each pass's batches are the reference's."""
+    import multiprocessing
+
+    from draftsmith.train import batch_pool
+    from draftsmith.train import batches as stored
+    from draftsmith.train.batch_pool import release
+
+    write_dataset(tmp_path / "ds", SHARDED)
+    reference = batches(shard_loader(tmp_path / "ds", 0))
+    made = multiprocessing.Value("i", 0)  # counts in the workers too (forked)
+    real = batch_pool.shared
+
+    def counted(shape, dtype):
+        with made.get_lock():
+            made.value += 1
+        return real(shape, dtype)
+
+    monkeypatch.setattr(batch_pool, "shared", counted)
+    monkeypatch.setattr(stored, "shared", counted)
+    loader = shard_loader(tmp_path / "ds", 2)
+    for _ in range(2):
+        got = []
+        for batch in loader:
+            got.append({k: v.clone() for k, v in batch.items()})
+            release(batch)  # as training does once the batch is decoded or on the GPU
+        assert_same_batches(got, reference)
+    assert any(len(b["input_ids"]) == 1 for b in reference)  # a shard's last: fewer rows
+    per_slot = len(reference[0]) + 1  # the batch's tensors and the slot's tag
+    assert made.value == 2 * loader.dataset.pool_slots * per_slot  # made once, before forking
+
+
 def corrupt_first_sample(root: Path, shard_index: int) -> None:
     from draftsmith.dataset.shards import read_header
 

@@ -11,7 +11,11 @@ decoded into the drafters' batch on the CPU), and only then may the worker fill 
 A batch the training process never releases (a test keeping batches in a list, a consumer
 that does not know the pool) only costs the reuse: when a worker finds none of its slots
 free it builds the batch in fresh memory, as before. The flags live in shared memory made
-in the training process before the workers fork; the buffers themselves are each worker's.
+in the training process before the workers fork. The buffers are each worker's, made as it
+needs them, or, with ``preallocate``, made and touched once in the training process: then
+workers that are started again every epoch (the shard-order loader's) inherit them, and no
+epoch's first batches pay for fresh memory (in bench-loader's 12-batch epochs at the 8B
+shape, every batch did).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from torch.utils.data import get_worker_info
 SLOT_KEY = "pool_slot"  # long [2] in a pooled batch: (pool, slot); absent otherwise
 _POOLS: weakref.WeakValueDictionary[int, BatchPool] = weakref.WeakValueDictionary()
 _IDS = itertools.count()
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""A batch's buffers: name -> (shape, dtype)."""
 
 
 class BatchPool:
@@ -40,7 +46,7 @@ class BatchPool:
         self.id = next(_IDS)
         _POOLS[self.id] = self
 
-    def take(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
+    def take(self, shapes: Shapes) -> dict[str, Tensor] | None:
         """Buffers of the given shapes: a free slot's (reused where its shapes match) in a
         worker; None outside one or when every slot of this worker is handed out."""
         worker = get_worker_info()
@@ -52,25 +58,42 @@ class BatchPool:
         free.sort(key=lambda k: k not in self._buffers)
         for slot in free[:1]:
             buffers = self._buffers.get(slot)
-            same = (
-                buffers is not None
-                and set(buffers) - {SLOT_KEY} == set(shapes)
-                and all(
-                    buffers[name].shape == shape and buffers[name].dtype == dtype
-                    for name, (shape, dtype) in shapes.items()
-                )
-            )
-            if not same:
+            if buffers is None or not fits(buffers, shapes):
                 buffers = {name: shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
-                buffers[SLOT_KEY] = shared((2,), torch.long)
-                buffers[SLOT_KEY][0], buffers[SLOT_KEY][1] = self.id, slot
-                self._buffers[slot] = buffers
+                self._buffers[slot] = buffers = self._label(buffers, slot)
             self.busy[slot] = 1
-            return dict(buffers)
+            # A batch of fewer rows (a shard's last) fills the first rows of the slot's.
+            return {k: v if k == SLOT_KEY else v[: shapes[k][0][0]] for k, v in buffers.items()}
         return None
+
+    def preallocate(self, shapes: Shapes) -> None:
+        """Every slot's buffers, made and touched here in the training process before the
+        workers fork (they inherit them); a slot whose batch differs gets fresh buffers."""
+        for slot in range(self.workers * self.slots):
+            if slot not in self._buffers:
+                buffers = {name: shared(shape, dtype) for name, (shape, dtype) in shapes.items()}
+                for t in buffers.values():
+                    t.view(torch.uint8).zero_()  # fault the pages in once, here
+                self._buffers[slot] = self._label(buffers, slot)
+
+    def _label(self, buffers: dict[str, Tensor], slot: int) -> dict[str, Tensor]:
+        buffers[SLOT_KEY] = shared((2,), torch.long)
+        buffers[SLOT_KEY][0], buffers[SLOT_KEY][1] = self.id, slot
+        return buffers
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_buffers": {}}
+
+
+def fits(buffers: dict[str, Tensor], shapes: Shapes) -> bool:
+    """Whether a slot's buffers can hold a batch of ``shapes``: the same tensors, dtypes and
+    row shapes, and at least as many rows."""
+    return set(buffers) - {SLOT_KEY} == set(shapes) and all(
+        buffers[name].dtype == dtype
+        and buffers[name].shape[1:] == shape[1:]
+        and buffers[name].shape[0] >= shape[0]
+        for name, (shape, dtype) in shapes.items()
+    )
 
 
 def release(batch: dict[str, Tensor]) -> None:

@@ -29,7 +29,7 @@ from draftsmith.dataset import HiddenStatesDataset
 from draftsmith.dataset.sample_io import PHASES
 from draftsmith.dataset.shards import TORCH_STORAGE_DTYPES
 from draftsmith.drafters.protocol.batch import PAD_DOC_ID
-from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, shared
+from draftsmith.train.batch_pool import SLOT_KEY, BatchPool, Shapes, shared
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,8 @@ def layout(ds: HiddenStatesDataset, row_tokens: int, aux_ids: list[int], teacher
     )
 
 
-def new_batch(lay: Layout, rows: int, pool: BatchPool | None = None) -> dict[str, Tensor]:
-    """Buffers of a stored batch of ``rows`` rows (``fill_row`` writes each row): a free
-    slot of ``pool`` in a worker, else fresh (shared memory in a worker)."""
+def batch_shapes(lay: Layout, rows: int) -> Shapes:
+    """The buffers of a stored batch of ``rows`` rows: name -> (shape, dtype)."""
     t, n = lay.row_tokens, len(lay.layers)
     shapes = {
         "input_ids": ((rows, t), torch.long),
@@ -77,6 +76,13 @@ def new_batch(lay: Layout, rows: int, pool: BatchPool | None = None) -> dict[str
     }
     if lay.fp8:
         shapes["scales"] = ((rows, t, n), torch.float32)
+    return shapes
+
+
+def new_batch(lay: Layout, rows: int, pool: BatchPool | None = None) -> dict[str, Tensor]:
+    """Buffers of a stored batch of ``rows`` rows (``fill_row`` writes each row): a free
+    slot of ``pool`` in a worker, else fresh (shared memory in a worker)."""
+    shapes = batch_shapes(lay, rows)
     batch = pool.take(shapes) if pool is not None else None
     if batch is None:
         in_worker = get_worker_info() is not None

@@ -54,7 +54,7 @@ from draftsmith.dataset.stream import (
     sidecar,
 )
 from draftsmith.train.batch_pool import BatchPool
-from draftsmith.train.batches import Layout, empty_batch
+from draftsmith.train.batches import Layout, batch_shapes, empty_batch
 from draftsmith.train.packing import PackedDataset
 from draftsmith.train.shard_plan import Pass, ShardPlan, one_shard, shard_seed
 
@@ -122,7 +122,11 @@ class ShardBatches(IterableDataset):
         only, and the shared counts start at zero."""
         self.start, self.skip = self.skip, 0
         self.shared = Pass(len(self.plan.shards), workers)
-        self.pool = BatchPool(workers, self.pool_slots)
+        if self.pool is None or (self.pool.workers, self.pool.slots) != (workers, self.pool_slots):
+            # Kept from pass to pass: each pass's workers inherit buffers made once, here.
+            self.pool = BatchPool(workers, self.pool_slots)
+            if self.pool_slots:
+                self.pool.preallocate(batch_shapes(self.layout, self.plan.batch_size))
         self._prepared = True
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
