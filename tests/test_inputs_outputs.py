@@ -74,9 +74,17 @@ def corrupt_copy(tiny_dataset: Path, tmp_path: Path) -> tuple[Path, str]:
     return data, info["file"]
 
 
-def test_flipped_byte_is_refused_before_its_sample(tmp_path, tiny_dataset):
-    """Each sample's bytes are checked against its xxh3-64 as they are read: the sample
-    holding the flipped byte is refused in one line naming the shard and the sample."""
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_flipped_byte_is_refused_before_its_sample(tmp_path, tiny_dataset, monkeypatch, chunk):
+    """Each sample's bytes are checked against its xxh3-64 as they are read (in pieces of
+    ``HASH_CHUNK`` bytes, 5 here to cross every tensor's edges): the sample holding the
+    flipped byte is refused in one line naming the shard and the sample."""
+    from draftsmith.dataset import reader
+
+    if chunk is not None:
+        monkeypatch.setattr(reader, "HASH_CHUNK", chunk)
+    clean = open_dataset(tiny_dataset)
+    assert all(len(clean[i]["input_ids"]) for i in range(len(clean)))  # every digest holds
     data, name = corrupt_copy(tiny_dataset, tmp_path)
     ds = open_dataset(data)  # opening reads headers only
     with pytest.raises(

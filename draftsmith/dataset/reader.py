@@ -44,6 +44,10 @@ from draftsmith.dataset.shards import (
 
 FORMAT_VERSIONS = (1,)
 MAX_OPEN_SHARDS = 128  # file descriptors kept per process; older ones are closed (LRU)
+HASH_CHUNK = 4 << 20
+"""Bytes read, then hashed, at a time: the hash reads them from the CPU cache, not DRAM
+(measured on the 2-core machine, warm page cache, one process: 3.4 GB/s read then hashed
+whole, 4.0 GB/s in 4 MiB pieces, 5.8 GB/s read without hashing)."""
 
 
 @dataclass
@@ -260,11 +264,13 @@ class HiddenStatesDataset(Dataset):
                                          dtype=spec.dtype))  # fmt: skip
             for part in parts:
                 view = byte_view(part)
-                with PHASES("read"):
-                    pread_into(fd, view, at, shard.path)
-                if digest is not None:
-                    with PHASES("checksum"):
-                        digest.update(view)
+                for lo in range(0, view.nbytes, HASH_CHUNK):  # hashed while still in cache
+                    piece = view[lo : lo + HASH_CHUNK]
+                    with PHASES("read"):
+                        pread_into(fd, piece, at + lo, shard.path)
+                    if digest is not None:
+                        with PHASES("checksum"):
+                            digest.update(piece)
                 at += view.nbytes
             return parts[-1] if dest is None else parts[0]
 
