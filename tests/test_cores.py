@@ -52,3 +52,29 @@ def test_core_load_sees_a_process_spinning_on_one_core():
     finally:
         hog.kill()
         hog.wait()
+
+
+def test_a_run_takes_back_the_left_out_core_once_it_is_free():
+    """Training that started beside a busy core gets it (and a thread on it) back between
+    steps once that core is free, and keeps off it while it stays busy."""
+    import torch
+
+    from draftsmith.train.share_cores import RegainCores
+
+    allowed, threads = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+    busy_core = allowed[-1]
+    loads = {c: 0.05 for c in allowed}
+    loads[busy_core] = 0.97
+    try:
+        assert avoid_busy_cores(measure=lambda _s: loads) is not None
+        torch.set_num_threads(len(allowed) - 1)
+        regain = RegainCores(every_s=0.0, measure=lambda: loads)
+        regain.on_train_batch_start(None, None, None, 0)  # still busy: nothing changes
+        assert sorted(os.sched_getaffinity(0)) == allowed[:-1] and not regain.done
+        loads[busy_core] = 0.10
+        regain.on_train_batch_start(None, None, None, 1)
+        assert sorted(os.sched_getaffinity(0)) == allowed and regain.done
+        assert torch.get_num_threads() == len(allowed)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)

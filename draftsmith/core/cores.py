@@ -20,31 +20,36 @@ BUSY = 0.8  # a core this busy, while we are idle, belongs to someone else
 _allowed: set[int] | None = None  # the cores this process could use when first asked
 
 
-def core_load(seconds: float = 0.5) -> dict[int, float]:
-    """Busy fraction of each core over ``seconds`` (Linux /proc/stat; {} elsewhere)."""
+def cpu_ticks() -> dict[int, tuple[int, int]]:
+    """(total, idle) ticks of each core so far (Linux /proc/stat)."""
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                ticks = [int(x) for x in fields]
+                out[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])  # idle + iowait
+    return out
 
-    def sample() -> dict[int, tuple[int, int]]:
-        out = {}
-        with open("/proc/stat") as f:
-            for line in f:
-                name, *fields = line.split()
-                if name.startswith("cpu") and name != "cpu":
-                    ticks = [int(x) for x in fields]
-                    idle = ticks[3] + ticks[4]  # idle + iowait
-                    out[int(name[3:])] = (sum(ticks), idle)
-        return out
 
-    try:
-        before = sample()
-        time.sleep(seconds)
-        after = sample()
-    except OSError:
-        return {}
+def busy_between(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]
+                 ) -> dict[int, float]:  # fmt: skip
+    """Busy fraction of each core between two ``cpu_ticks`` samples."""
     load = {}
     for cpu, (total, idle) in after.items():
         d_total, d_idle = total - before[cpu][0], idle - before[cpu][1]
         load[cpu] = 1.0 - d_idle / d_total if d_total > 0 else 0.0
     return load
+
+
+def core_load(seconds: float = 0.5) -> dict[int, float]:
+    """Busy fraction of each core over ``seconds`` (Linux /proc/stat; {} elsewhere)."""
+    try:
+        before = cpu_ticks()
+        time.sleep(seconds)
+        return busy_between(before, cpu_ticks())
+    except OSError:
+        return {}
 
 
 def avoid_busy_cores(
@@ -69,6 +74,19 @@ def avoid_busy_cores(
     shown = ", ".join(f"{c} ({load[c]:.0%})" for c in busy)
     which = "cores" if len(busy) > 1 else "core"
     return f"{which} {shown} busy with another process: compute threads on {free} only"
+
+
+def regain_cores(load: dict[int, float]) -> str | None:
+    """Give this process back the cores ``avoid_busy_cores`` left out once none of them is
+    busy in ``load`` (their load is other processes': this one is not on them); returns a
+    line saying so, or None when nothing changed."""
+    if _allowed is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    left_out = _allowed - set(os.sched_getaffinity(0))
+    if not left_out or any(load.get(c, 0.0) >= BUSY for c in left_out):
+        return None
+    os.sched_setaffinity(0, _allowed)
+    return f"core(s) {sorted(left_out)} free again: compute threads on {sorted(_allowed)}"
 
 
 def allowed_cores() -> set[int]:

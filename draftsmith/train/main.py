@@ -46,7 +46,7 @@ from draftsmith.train.module import DraftModule, cli_signature
 from draftsmith.train.preemption import SaveOnSigterm, exit_on_sigterm
 from draftsmith.train.progress import ConsoleProgress
 from draftsmith.train.resume import check_resume
-from draftsmith.train.share_cores import ShareCores
+from draftsmith.train.share_cores import RegainCores, ShareCores
 from draftsmith.train.strategies import GPU_ONLY, cpu_strategy, runs_on_cpu
 
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_find_unused_parameters_true", "fsdp", "deepspeed")
@@ -136,6 +136,8 @@ class TrainCLI(LightningCLI):
             trainer.callbacks.append(SaveOnSigterm())
             if config.data.stream and runs_on_cpu(config.trainer.accelerator):
                 trainer.callbacks.append(ShareCores(config.data.data))  # a producer beside it
+            if (regain := getattr(self, "regain", None)) is not None:
+                trainer.callbacks.append(regain)  # cores busy at the start, taken back when free
             waited = getattr(self.datamodule, "window_wait_s", 0.0)
             if waited >= 1.0 and (note := charge_wait(trainer, waited)):
                 say(f"train: {note}")
@@ -181,6 +183,7 @@ class TrainCLI(LightningCLI):
             if note := avoid_busy_cores():  # one process: its threads keep off busy cores
                 torch.set_num_threads(len(os.sched_getaffinity(0)))
                 say(f"train: {note}")
+                self.regain = RegainCores()  # ...until they are free again
         if not wandb_has_key():
             os.environ.setdefault("WANDB_MODE", "offline")  # logs stay local; `wandb sync` later
         loggers = config.trainer.logger
