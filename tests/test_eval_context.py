@@ -277,6 +277,7 @@ def test_a_study_tabulates_each_points_head_by_context_beside_the_baselines():
             {"point": "window", "by_context": figures_by_context(windowed, "eagle3")},
             {"point": "failed", "error": "boom"}]  # fmt: skip
     text = context_table(rows)
+    assert "temperature 0.0, tokens per step" in text  # greedy: the sampled run is not shown
     assert "| point | 1,024 | 7,928 | last / first |" in text
     assert "| short | 1.500 (1.500) | 1.200 (1.200) | 0.800 |" in text
     # The window's expected: 1.2 x (1 + 0.5) / (1 + 0.2) = 1.5, where vLLM served 1.2.

@@ -136,7 +136,8 @@ def expected_tokens_per_step(run: dict) -> float | None:
 
 def figures_by_context(results: dict, method: str) -> dict[str, dict[int, dict]]:
     """At the lowest temperature: ``{"head" | "ngram" | "suffix": {context tokens:
-    {"tokens_per_step", "expected_tokens_per_step", "k"}}}`` (what a study tabulates)."""
+    {"tokens_per_step", "expected_tokens_per_step", "k", "temperature"}}}`` (what a study
+    tabulates)."""
     if not results.get("context_buckets") or not results.get("runs"):
         return {}
     coolest = min(r["temperature"] for r in results["runs"])
@@ -150,6 +151,7 @@ def figures_by_context(results: dict, method: str) -> dict[str, dict[int, dict]]
                     "tokens_per_step": r["tokens_per_step"],
                     "expected_tokens_per_step": expected_tokens_per_step(r),
                     "k": r["k"],
+                    "temperature": coolest,
                 }
                 for tokens, r in found.items()
             }

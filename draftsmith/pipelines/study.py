@@ -156,8 +156,11 @@ def context_table(rows: list[dict[str, Any]]) -> str:
     )
     if not buckets:
         return ""
+    temperatures = sorted({f["temperature"] for r in rows for m in (r.get("by_context") or {})
+                           .values() for f in m.values()})  # fmt: skip
+    at = ", ".join(str(float(t)) for t in temperatures)
     lines = [
-        "By context length (prompt tokens), tokens per step served (expected):",
+        f"By context length (prompt tokens), temperature {at}, tokens per step served (expected):",
         "",
         "| point | " + " | ".join(f"{t:,}" for t in buckets) + " | last / first |",
         "|---|" + "---|" * (len(buckets) + 1),
@@ -166,7 +169,7 @@ def context_table(rows: list[dict[str, Any]]) -> str:
     def line(name: str, figures: dict) -> str:
         cells, served = [], []
         for t in buckets:
-            f = figures.get(t) or figures.get(str(t))
+            f = figures.get(t)
             if f is None:
                 cells.append("–")
                 continue
